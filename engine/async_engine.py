@@ -1,0 +1,150 @@
+"""Runs LLMEngine.step() on a background thread; asyncio callers add, abort and await outputs.
+
+The interface is deliberately narrow (generate / abort / shutdown) so the loop can move to its
+own process later. Torch releases the GIL, so a long step never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput, StepStats
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-num-queued-reqs; the caller should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died; nothing more will be generated."""
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_stats: Callable[[StepStats], None] | None = None,
+        max_num_queued_reqs: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.on_stats = on_stats
+        self.max_num_queued_reqs = max_num_queued_reqs
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.error: BaseException | None = None
+        self.last_step_time = time.monotonic()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self._inbox.qsize()
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields per-step deltas; leaving early (disconnect, cancel) aborts the request."""
+        req = self.check_request(request_id, prompt_token_ids, params)
+        out_q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), out_q)
+        self._inbox.put(("add", req))
+        finished = False
+        try:
+            while not finished:
+                item = await out_q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def check_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Everything that can be refused is refused here, before any response starts."""
+        if self.error is not None or not self._thread.is_alive():
+            raise EngineDeadError("the engine is not running")
+        req = self.engine.make_request(request_id, prompt_token_ids, params)
+        if self.max_num_queued_reqs is not None and self.num_waiting >= self.max_num_queued_reqs:
+            raise QueueFullError(
+                f"the server's waiting queue is full ({self.max_num_queued_reqs} requests)"
+            )
+        return req
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    # ---- the loop (engine thread) ------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    outputs, stats = self.engine.step()
+                    self.last_step_time = time.monotonic()
+                    self._dispatch(outputs)
+                    if self.on_stats is not None:
+                        self.on_stats(stats)
+        except BaseException as e:  # noqa: BLE001 - every waiter must hear about the crash
+            logger.exception("engine loop died")
+            self.error = e
+            self._fail_all(EngineDeadError(f"engine loop died: {e!r}"))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        aborts = []
+        while True:
+            kind, payload = item
+            if kind == "add":
+                self.engine.add(payload)
+            elif kind == "abort":
+                aborts.append(payload)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        if aborts:
+            self._dispatch(self.engine.abort_request(aborts))
+            if self.on_stats is not None and not self.engine.has_unfinished_requests():
+                self.on_stats(self.engine.snapshot_stats())
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                loop, q = stream
+                loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for loop, q in list(self._streams.values()):
+            loop.call_soon_threadsafe(q.put_nowait, error)

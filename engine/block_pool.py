@@ -1,0 +1,160 @@
+"""Physical KV blocks: ref counts, an LRU free queue and the prefix-cache hash map (no torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class KVCacheBlock:
+    """One physical block; prev/next link it into the free queue while ref_cnt == 0."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list threaded through the blocks themselves: O(1) everywhere, no allocs.
+
+    head (evicted first) <-> ... <-> tail (kept longest)
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels, never handed out
+        self._tail = KVCacheBlock(-2)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        assert block is not self._tail, "free queue is empty"
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free, nxt.prev_free = nxt, prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        self._insert_after(self._tail.prev_free, block)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        self._insert_after(self._head, block)
+
+    def _insert_after(self, prev: KVCacheBlock, block: KVCacheBlock) -> None:
+        nxt = prev.next_free
+        block.prev_free, block.next_free = prev, nxt
+        prev.next_free = nxt.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """All physical blocks. A free block may still hold a cached prefix until it is reused."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        assert num_blocks > 0
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.cached_block_hash_to_block.values() if b.ref_cnt == 0)
+
+    def get_usage(self) -> float:
+        """Fraction of blocks held by requests; free-but-cached blocks count as free."""
+        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        assert num_blocks <= self.get_num_free_blocks(), "caller must check free blocks"
+        blocks = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a hit: cached blocks with no holder leave the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; the first freed is the first evicted among hashed blocks."""
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"double free of {block}"
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_block_queue.appendleft(block)  # nothing worth keeping: reuse first
+                else:
+                    self.free_block_queue.append(block)
+
+    def cache_full_blocks(
+        self, blocks: list[KVCacheBlock], block_hashes: list[bytes], start: int, end: int
+    ) -> None:
+        """Register blocks[start:end] (full, KV written this step or earlier) under their hashes."""
+        if not self.enable_caching:
+            return
+        for block, block_hash in zip(blocks[start:end], block_hashes[start:end]):
+            if block.block_hash is not None:
+                continue
+            if block_hash in self.cached_block_hash_to_block:
+                continue  # same content computed twice; keep the first copy as the cached one
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        if self.get_num_free_blocks() != self.num_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
+    def check_integrity(self) -> None:
+        """free (ref 0, in queue) + held (ref > 0) == total; the hash map agrees with blocks."""
+        free_ids = {b.block_id for b in self.free_block_queue}
+        assert len(free_ids) == self.free_block_queue.num_free_blocks
+        for block in self.blocks:
+            in_queue = block.block_id in free_ids
+            assert (block.ref_cnt == 0) == in_queue, f"{block} ref/queue mismatch"
+            if block.block_hash is not None:
+                assert self.cached_block_hash_to_block.get(block.block_hash) is block
+        for block_hash, block in self.cached_block_hash_to_block.items():
+            assert block.block_hash == block_hash

@@ -1,0 +1,52 @@
+"""EngineConfig: one flat dataclass, validated once at the edge, never mutated afterwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF folder, .gguf file, or None for the embedded default
+    served_model_name: str | None = None
+    max_model_len: int | None = None  # None: the model's own limit
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    tensor_parallel_size: int = 1
+    max_num_queued_reqs: int | None = None
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError("num_gpu_blocks_override must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in _BACKENDS:
+            raise ValueError(f"attention_backend must be one of {_BACKENDS}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 1:
+            raise ValueError("max_num_queued_reqs must be positive")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}

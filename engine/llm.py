@@ -1,0 +1,81 @@
+"""Offline batch API: LLM(model).generate(prompts, sampling_params)."""
+
+from __future__ import annotations
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; results come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("sampling_params must be one per prompt")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, params):
+            order.append(self._add(prompt, p, results))
+        self._run(results, use_tqdm)
+        return [results[rid] for rid in order]
+
+    def _add(self, prompt: Prompt, params: SamplingParams, results: dict) -> str:
+        rid = str(next(self._ids))
+        ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.engine.add_request(rid, ids, params)
+        results[rid] = RequestOutput(
+            request_id=rid,
+            prompt_token_ids=ids,
+            outputs=[],
+            finished=False,
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
+        return rid
+
+    def _run(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        bar = tqdm(total=len(results), desc="Processed prompts", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            step_outputs, _ = self.engine.step()
+            for delta in step_outputs:
+                _merge(results[delta.request_id], delta)
+                if delta.finished:
+                    bar.update(1)
+        bar.close()
+
+
+def _merge(acc: RequestOutput, delta: RequestOutput) -> None:
+    if not acc.outputs:
+        acc.outputs = [delta.outputs[0]]
+        acc.outputs[0].token_ids = list(delta.outputs[0].token_ids)
+    else:
+        out, d = acc.outputs[0], delta.outputs[0]
+        out.text += d.text
+        out.token_ids.extend(d.token_ids)
+        out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+    acc.finished = delta.finished
+    acc.num_cached_tokens = delta.num_cached_tokens
+    acc.metrics = delta.metrics or acc.metrics

@@ -1,0 +1,185 @@
+"""LLMEngine: add / abort / step. One step = schedule -> execute -> update -> detokenize."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+from transformers import AutoConfig, AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_loader import resolve_model
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_MAX_MODEL_LEN_DEFAULT_CAP = 8192  # keeps the default KV cap sane for long-context configs
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.model_dir = resolve_model(config.model)
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.config = replace(config, max_model_len=self._resolve_max_model_len(config))
+        self.model_name = config.served_model_name or _default_model_name(config.model)
+        self.runner = ModelRunner(self.config, self.model_dir, self.hf_config)
+        self.scheduler = Scheduler(self.config, self.runner.num_blocks)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.last_token_time: dict[str, float] = {}
+        logger.info(
+            "engine ready: model=%s dtype=%s device=%s backend=%s blocks=%d x %d tokens "
+            "max_model_len=%d",
+            self.model_dir,
+            self.runner.dtype,
+            self.runner.device,
+            self.runner.backend.name,
+            self.runner.num_blocks,
+            self.config.block_size,
+            self.config.max_model_len,
+        )
+
+    def _resolve_max_model_len(self, config: EngineConfig) -> int:
+        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if config.max_model_len is None:
+            return min(model_max, _MAX_MODEL_LEN_DEFAULT_CAP)
+        if config.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's limit {model_max}"
+            )
+        return config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    # ---- requests ----------------------------------------------------------------------------
+    def make_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Builds and validates a request; ValueError for anything that can never run."""
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of the vocabulary (size {self.vocab_size})")
+        req = Request(request_id, prompt_token_ids, params, eos_token_id=self.eos_token_id)
+        self.scheduler.check_fits(req)
+        return req
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        self.add(self.make_request(request_id, prompt_token_ids, params))
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"duplicate request id {req.request_id}")
+        self.scheduler.add_request(req)
+        self.detokenizers[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids
+        )
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [self._make_output(req, [], "", time.monotonic()) for req in finished]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- step --------------------------------------------------------------------------------
+    def step(self) -> tuple[list[RequestOutput], StepStats]:
+        t0 = time.monotonic()
+        sched_out = self.scheduler.schedule()
+        results = []
+        if not sched_out.is_empty:
+            sampled = self.runner.execute(sched_out)
+            results = self.scheduler.update_from_output(sched_out, sampled)
+        now = time.monotonic()
+        stats = self._step_stats(sched_out, now - t0)
+        stats.num_generation_tokens = len(results)
+        outputs = []
+        for req, new_ids in results:
+            self._record_itl(req, now, stats)
+            delta = self.detokenizers[req.request_id].step(new_ids)
+            outputs.append(self._make_output(req, new_ids, delta, now))
+        for out in outputs:
+            if out.finished:
+                stats.finished.append(out.metrics)
+                stats.finished_reasons.append(out.outputs[0].finish_reason)
+        return outputs, stats
+
+    def _record_itl(self, req: Request, now: float, stats: StepStats) -> None:
+        last = self.last_token_time.get(req.request_id)
+        if last is not None:
+            stats.inter_token_latencies.append(now - last)
+        self.last_token_time[req.request_id] = now
+
+    def _make_output(self, req: Request, new_ids: list[int], delta: str, now: float):
+        metrics = None
+        if req.finished:
+            self.detokenizers.pop(req.request_id, None)
+            self.last_token_time.pop(req.request_id, None)
+            self.runner.release(req.request_id)
+            metrics = RequestMetrics(
+                arrival_time=req.arrival_time,
+                first_scheduled_time=req.first_scheduled_time,
+                first_token_time=req.first_token_time,
+                finished_time=now,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_generation_tokens=req.num_output_tokens,
+                num_preemptions=req.num_preemptions,
+            )
+        completion = CompletionOutput(
+            index=0,
+            text=delta,
+            token_ids=list(new_ids),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=req.finished,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            metrics=metrics,
+        )
+
+    def snapshot_stats(self) -> StepStats:
+        """Gauges without a step (after aborts on an idle engine)."""
+        return self._step_stats(SchedulerOutput(), 0.0)
+
+    def _step_stats(self, out: SchedulerOutput, step_time: float) -> StepStats:
+        kv = self.scheduler.kv_cache_manager
+        pool = kv.block_pool
+        prefix = kv.take_prefix_cache_stats()
+        num_prompt = sum(
+            max(0, min(c + n, r.num_prompt_tokens) - c)
+            for r, n, c in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)
+        )
+        return StepStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_scheduled_tokens=out.total_num_scheduled_tokens,
+            num_prompt_tokens=num_prompt,
+            num_preemptions=len(out.preempted),
+            prefix_cache_queries=prefix.num_queries,
+            prefix_cache_hits=prefix.num_hits,
+            kv_cache_usage=pool.get_usage(),
+            num_total_blocks=pool.num_blocks,
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_cached_free_blocks=pool.get_num_cached_free_blocks(),
+            step_time=step_time,
+        )
+
+
+def _default_model_name(model: str | None) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return model.rstrip("/")

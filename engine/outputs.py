@@ -1,0 +1,76 @@
+"""What the engine hands out: per-request outputs and one stats object per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """From LLMEngine.step() outputs[0] holds only this step's delta; LLM.generate accumulates."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None  # set once, when finished
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_preemptions: int
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float:
+        return self.finished_time - self.arrival_time
+
+
+@dataclass
+class StepStats:
+    """Everything the metrics layer needs from one engine step (the engine imports no metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_scheduled_tokens: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed this step (prefill work)
+    num_generation_tokens: int = 0  # tokens sampled this step
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up this step
+    prefix_cache_hits: int = 0  # of which found cached
+    kv_cache_usage: float = 0.0
+    num_total_blocks: int = 0
+    num_free_blocks: int = 0
+    num_cached_free_blocks: int = 0
+    step_time: float = 0.0
+    finished: list[RequestMetrics] = field(default_factory=list)
+    finished_reasons: list[str] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)

@@ -1,0 +1,71 @@
+"""Pure-torch paged attention: the CPU path and the oracle other backends are tested against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import AttentionMetadata
+
+
+def write_kv_by_slot(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens]
+) -> None:
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def gather_kv(
+    cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
+) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+    block_size = cache.shape[1]
+    num_blocks = -(seq_len // -block_size)
+    return cache[block_ids[:num_blocks].long()].flatten(0, 1)[:seq_len]
+
+
+def bottom_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """Query i sits at absolute position kv_len - q_len + i and sees keys 0..that position."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    return k_pos <= q_pos  # [q_len, kv_len] bool, True = attend
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.empty_like(query)
+    starts = meta.query_start_loc.tolist()
+    for i, (q_len, kv_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        q = query[starts[i] : starts[i] + q_len].transpose(0, 1)  # [H, q_len, D]
+        k = gather_kv(k_cache, meta.block_table[i], kv_len).transpose(0, 1)  # [Hkv, L, D]
+        v = gather_kv(v_cache, meta.block_table[i], kv_len).transpose(0, 1)
+        mask = None if q_len == 1 else bottom_right_causal_mask(q_len, kv_len, q.device)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[starts[i] : starts[i] + q_len] = o[0].transpose(0, 1)
+    return out
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        write_kv_by_slot(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        return paged_attention(query, k_cache, v_cache, meta, scale)

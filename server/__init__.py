@@ -1,0 +1,1 @@
+"""pagedserve's HTTP front end: OpenAI-compatible routes, SSE, metrics, CLI."""

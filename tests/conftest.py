@@ -1,0 +1,252 @@
+"""Shared builders: tiny random-weight Llama folders, a byte-level tokenizer, engines, requests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_byte_tokenizer():
+    """A byte-level BPE tokenizer with no merges: every UTF-8 byte is one token (ids 3..258)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(alphabet)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        bos_token="<|im_start|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model_dir(path: Path, seed: int = 0, **overrides) -> Path:
+    """Saves a random-weight LlamaForCausalLM (float32) with the byte tokenizer to `path`.
+
+    The init std is large so greedy argmax gaps dwarf float32 rounding noise.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_byte_tokenizer()
+    cfg = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).float().eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model_dir(
+        tmp_path_factory.mktemp("tiny-llama-tied"),
+        seed=1,
+        tie_word_embeddings=True,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        hidden_size=128,
+        num_hidden_layers=3,
+    )
+
+
+def hf_greedy(
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = False
+) -> list[list[int]]:
+    """transformers' greedy generate, one prompt at a time (no padding), float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if not stop_at_eos:  # like ignore_eos: EOS is an ordinary token (min_new_tokens would mask it)
+        model.generation_config.eos_token_id = None
+    results = []
+    for ids in prompts:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )
+        results.append(out[0, len(ids) :].tolist())
+    assert all(len(r) == max_new_tokens for r in results) or stop_at_eos
+    return results
+
+
+def make_prompts(
+    num: int,
+    vocab_lo: int = 3,
+    vocab_hi: int = 259,
+    seed: int = 0,
+    min_len: int = 3,
+    max_len: int = 60,
+) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(vocab_lo, vocab_hi) for _ in range(rng.randint(min_len, max_len))]
+        for _ in range(num)
+    ]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`pagedserve serve` in a subprocess on a free loopback port."""
+
+    def __init__(self, model: str | None, *args: str, env: dict | None = None) -> None:
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "server.cli", "serve"]
+        cmd += ([model] if model else []) + ["--port", str(self.port), *args]
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pagedserve-{self.port}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+
+    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()[-5000:]
+
+    def stop(self) -> int:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def metric_value(text: str, name: str, labels: dict | None = None) -> float:
+    """The value of one sample in a Prometheus exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(
+                sample.labels.get(k) == v for k, v in (labels or {}).items()
+            ):
+                return sample.value
+    raise KeyError(name)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir):
+    server = ServerProcess(
+        str(tiny_model_dir), "--dtype", "float32", "--served-model-name", "tiny"
+    ).wait_ready()
+    yield server
+    server.stop()
+
+
+def make_request(request_id: str, num_tokens: int, max_tokens: int = 8, start: int = 0, **params):
+    """A Request with prompt tokens start..start+num_tokens-1 (pure Python, no model)."""
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+    return Request(request_id, list(range(start, start + num_tokens)), sp, eos_token_id=None)
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 256,
+    enable_prefix_caching: bool = True,
+):
+    from engine.config import EngineConfig
+    from engine.scheduler import Scheduler
+
+    cfg = EngineConfig(
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    return Scheduler(cfg, num_blocks)
+
+
+def run_fake_step(scheduler, token_id: int = 7):
+    """schedule -> a null model runner that samples `token_id` wherever a token is due -> update."""
+    out = scheduler.schedule()
+    sampled = [
+        token_id if c + n == r.num_tokens else None
+        for r, n, c in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)
+    ]
+    return out, scheduler.update_from_output(out, sampled)

@@ -1,0 +1,91 @@
+"""The server end to end on loopback, driven by the official openai client."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from conftest import metric_value
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_has_text_usage_and_finish_reason(client):
+    resp = client.completions.create(
+        model="tiny",
+        prompt="Hello there",
+        max_tokens=7,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    choice = resp.choices[0]
+    assert resp.object == "text_completion" and resp.model == "tiny"
+    assert choice.finish_reason == "length" and choice.text
+    assert resp.usage.prompt_tokens == len(b"Hello there")  # byte tokenizer
+    assert resp.usage.completion_tokens == 7
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 7
+
+
+def test_stream_text_equals_non_streamed_greedy_text(client):
+    kw = dict(
+        model="tiny",
+        prompt="The capital of France is",
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == full
+    assert len({c.id for c in chunks}) == 1
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+
+
+def test_stream_ends_with_done(tiny_server):
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", tiny_server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+
+
+def test_models_lists_served_name(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert models.data[0].model_extra["max_model_len"] == 1024
+
+
+def test_too_long_prompt_is_400_with_error_object(client, tiny_server):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x" * 1000, max_tokens=100)
+    assert "maximum context length is 1024 tokens" in e.value.body["message"]
+    assert e.value.status_code == 400
+    # The server keeps serving.
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi", max_tokens=2)
+
+
+def test_metrics_after_traffic(client, tiny_server):
+    client.completions.create(model="tiny", prompt="count me", max_tokens=4, temperature=0)
+    text = httpx.get(tiny_server.url + "/metrics").text
+    assert metric_value(text, "pagedserve:num_requests_running") == 0
+    assert metric_value(text, "pagedserve:num_requests_waiting") == 0
+    assert metric_value(text, "pagedserve:kv_cache_usage_perc") == 0.0
+    assert metric_value(text, "pagedserve:num_preemptions_total") == 0
+    assert metric_value(text, "pagedserve:generation_tokens_total") >= 4
+    assert (
+        metric_value(text, "pagedserve:request_success_total", {"finished_reason": "length"}) >= 1
+    )
+
+
+def test_health(tiny_server):
+    assert httpx.get(tiny_server.url + "/health").status_code == 200
