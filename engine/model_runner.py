@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.kv_cache_manager import cdiv
 from engine.models import SUPPORTED_ARCHITECTURES
 from engine.models.llama import LlamaForCausalLM
+from engine.outputs import ModelRunnerOutput
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from kernels import AttentionMetadata, get_attention_backend
@@ -110,7 +111,8 @@ class ModelRunner:
     def prepare_inputs(self, out: SchedulerOutput):
         """Flatten the batch: ids, positions, slot mapping, block table, logits rows."""
         bs = self.block_size
-        input_ids, positions, slots, logits_rows, query_lens, seq_lens = [], [], [], [], [], []
+        input_ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
+        logits_rows, sample_idx = [], []  # flat row of each sampled token, its request index
         max_blocks = max(len(b) for b in out.block_ids)
         block_table = np.zeros((len(out.requests), max_blocks), dtype=np.int32)
         num_rows = 0
@@ -126,6 +128,7 @@ class ModelRunner:
             num_rows += n
             if start + n == req.num_tokens:  # reached the newest token: sample after it
                 logits_rows.append(num_rows - 1)
+                sample_idx.append(i)
             query_lens.append(n)
             seq_lens.append(start + n)
         dev = self.device
@@ -141,31 +144,20 @@ class ModelRunner:
         )
         ids_t = torch.from_numpy(np.concatenate(input_ids)).to(dev)
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
-        return ids_t, pos_t, meta, logits_rows
+        return ids_t, pos_t, meta, logits_rows, sample_idx
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[int | None]:
-        """Returns one sampled token per scheduled request, None for a partial prefill chunk."""
-        input_ids, positions, meta, logits_rows = self.prepare_inputs(out)
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """One sampled token per scheduled request; None for a partial prefill chunk."""
+        input_ids, positions, meta, logits_rows, sample_idx = self.prepare_inputs(out)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         sampled: list[int | None] = [None] * len(out.requests)
-        if not logits_rows:
-            return sampled
-        logits = self.model.compute_logits(hidden[logits_rows])
-        rows = [
-            i
-            for i, (req, n, start) in enumerate(
-                zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)
-            )
-            if start + n == req.num_tokens
-        ]
-        reqs = [out.requests[i] for i in rows]
-        tokens = self.sampler(
-            logits, [r.request_id for r in reqs], [r.sampling_params for r in reqs]
-        )
-        for i, tok in zip(rows, tokens):
-            sampled[i] = tok
-        return sampled
+        if logits_rows:
+            logits = self.model.compute_logits(hidden[logits_rows])
+            tokens = self.sampler(logits, [out.requests[i] for i in sample_idx])
+            for i, tok in zip(sample_idx, tokens):
+                sampled[i] = tok
+        return ModelRunnerOutput(sampled_token_ids=sampled)
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)

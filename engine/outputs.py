@@ -55,6 +55,13 @@ class RequestMetrics:
 
 
 @dataclass
+class ModelRunnerOutput:
+    """What one forward pass produced, parallel to SchedulerOutput.requests."""
+
+    sampled_token_ids: list[int | None]  # None: a partial prefill chunk sampled nothing
+
+
+@dataclass
 class StepStats:
     """Everything the metrics layer needs from one engine step (the engine imports no metrics)."""
 

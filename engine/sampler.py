@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 
@@ -29,9 +30,10 @@ class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,  # [N, vocab] float32
-        request_ids: list[str],
-        params: list[SamplingParams],
+        requests: list[Request],  # one per row
     ) -> list[int]:
+        params = [r.sampling_params for r in requests]
+        request_ids = [r.request_id for r in requests]
         greedy = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
             return greedy.tolist()

@@ -1,11 +1,13 @@
-"""Per-request sampling parameters (OpenAI names, temperature 0 means greedy)."""
+"""Per-request sampling parameters (OpenAI names plus vLLM's extras; temperature 0 is greedy)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-_INT64_MAX = 2**63 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 4
 
 
 @dataclass
@@ -14,31 +16,102 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to max_model_len
-    ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop tokens are held back until this many tokens exist
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per sampled token (0: only the sampled one)
+    prompt_logprobs: int | None = None  # the same for each prompt token (echo + logprobs)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
 
     def _validate(self) -> None:
-        if not 1 <= self.n <= 128:
-            raise ValueError(f"n must be between 1 and 128, got {self.n}")
-        if math.isnan(self.temperature) or not 0.0 <= self.temperature <= 2.0:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
-        if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be -1 (disabled) or positive, got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.seed is not None and not -(2**63) <= self.seed <= _INT64_MAX:
-            raise ValueError("seed must fit in a signed 64-bit integer")
+        _check(1 <= self.n <= 128, "n", f"n must be between 1 and 128, got {self.n}")
+        _check_range("temperature", self.temperature, 0.0, 2.0)
+        _check(
+            not math.isnan(self.top_p) and 0.0 < self.top_p <= 1.0,
+            "top_p",
+            f"top_p must be in (0, 1], got {self.top_p}",
+        )
+        _check(self.top_k >= 0, "top_k", f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check(
+            not math.isnan(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+            "repetition_penalty",
+            f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+        )
+        if self.max_tokens is not None:
+            _check(
+                self.max_tokens >= 1,
+                "max_tokens",
+                f"max_tokens must be at least 1, got {self.max_tokens}",
+            )
+        _check(self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0")
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens, "min_tokens", "min_tokens must be <= max_tokens"
+            )
+        if self.seed is not None:
+            _check(
+                _INT64_MIN <= self.seed <= _INT64_MAX,
+                "seed",
+                "seed must fit in a signed 64-bit integer",
+            )
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_STOP_STRINGS} stop strings are allowed",
+        )
+        _check(all(self.stop), "stop", "stop strings must not be empty")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(
+                    0 <= value <= MAX_LOGPROBS, name, f"{name} must be between 0 and {MAX_LOGPROBS}"
+                )
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(
+                -100.0 <= bias <= 100.0,
+                "logit_bias",
+                f"logit_bias for {token_id} must be in [-100, 100]",
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+class SamplingParamsError(ValueError):
+    """A ValueError that names the offending request field (OpenAI's `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise SamplingParamsError(param, message)
+
+
+def _check_range(name: str, value: float, lo: float, hi: float) -> None:
+    ok = not math.isnan(value) and lo <= value <= hi
+    _check(ok, name, f"{name} must be in [{lo:g}, {hi:g}], got {value}")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.outputs import ModelRunnerOutput
 from engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ class Scheduler:
 
     # ---- update ------------------------------------------------------------------------------
     def update_from_output(
-        self, out: SchedulerOutput, sampled_token_ids: list[int | None]
+        self, out: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[tuple[Request, list[int]]]:
         """Append sampled tokens, apply stop rules, free finished requests.
 
@@ -167,7 +168,7 @@ class Scheduler:
         """
         results = []
         now = time.monotonic()
-        for req, token_id in zip(out.requests, sampled_token_ids):
+        for req, token_id in zip(out.requests, runner_output.sampled_token_ids):
             if token_id is None or req.finished:  # partial prefill chunk: nothing sampled
                 continue
             req.append_output_token(token_id)

@@ -137,7 +137,7 @@ def _sampling_params(body: CompletionRequest):
     try:
         return body.to_sampling_params()
     except ValueError as e:
-        raise APIError(400, str(e), "BadRequestError") from e
+        raise APIError(400, str(e), "BadRequestError", getattr(e, "param", None)) from e
 
 
 async def _full_completion(first, stream, request_id, model_name, num_prompt_tokens):

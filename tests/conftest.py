@@ -249,4 +249,6 @@ def run_fake_step(scheduler, token_id: int = 7):
         token_id if c + n == r.num_tokens else None
         for r, n, c in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)
     ]
-    return out, scheduler.update_from_output(out, sampled)
+    from engine.outputs import ModelRunnerOutput
+
+    return out, scheduler.update_from_output(out, ModelRunnerOutput(sampled))
