@@ -40,6 +40,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_ids: dict[str, list[int]] = {}  # grows with req_to_blocks, never rebuilt
         self.req_to_block_hashes: dict[str, list[bytes]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -102,9 +103,11 @@ class KVCacheManager:
                 self._forget(request.request_id)
             return None
         self.block_pool.touch(new_computed_blocks)
-        req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-        req_blocks.extend(new_blocks)
+        block_ids = self.req_to_block_ids.setdefault(request.request_id, [])
+        for added in (new_computed_blocks, new_blocks):
+            req_blocks.extend(added)
+            block_ids.extend(b.block_id for b in added)
         if self.enable_caching:
             self._cache_blocks(request, num_computed + num_new_tokens)
         return new_blocks
@@ -128,10 +131,12 @@ class KVCacheManager:
 
     def _forget(self, request_id: str) -> None:
         self.req_to_blocks.pop(request_id, None)
+        self.req_to_block_ids.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        """The live block table of a request (do not mutate); empty if it holds none."""
+        return self.req_to_block_ids.get(request_id, [])
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()

@@ -6,12 +6,23 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprobs:
+    """Logprob of one chosen token plus the top-k alternatives (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, if asked for
 
 
 @dataclass
@@ -24,6 +35,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # first entry None, if asked for
     metrics: RequestMetrics | None = None  # set once, when finished
 
 
