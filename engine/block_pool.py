@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 
 class KVCacheBlock:
@@ -25,7 +25,7 @@ class KVCacheBlock:
 class FreeKVCacheBlockQueue:
     """Doubly linked list threaded through the blocks themselves: O(1) everywhere, no allocs.
 
-    head (evicted first) <-> ... <-> tail (kept longest)
+    head sentinel <-> evicted first <-> ... <-> kept longest <-> tail sentinel
     """
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
@@ -41,6 +41,20 @@ class FreeKVCacheBlockQueue:
         assert block is not self._tail, "free queue is empty"
         self.remove(block)
         return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """The n least recently freed blocks, unlinked in one splice."""
+        assert n <= self.num_free_blocks, "free queue is too short"
+        blocks = []
+        block = self._head.next_free
+        for _ in range(n):
+            blocks.append(block)
+            nxt = block.next_free
+            block.prev_free = block.next_free = None
+            block = nxt
+        self._head.next_free, block.prev_free = block, self._head
+        self.num_free_blocks -= n
+        return blocks
 
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
@@ -61,15 +75,25 @@ class FreeKVCacheBlockQueue:
         prev.next_free = nxt.prev_free = block
         self.num_free_blocks += 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVCacheBlock]:
         block = self._head.next_free
         while block is not self._tail:
             yield block
             block = block.next_free
 
+    def iter_reversed(self) -> Iterator[KVCacheBlock]:
+        block = self._tail.prev_free
+        while block is not self._head:
+            yield block
+            block = block.prev_free
+
 
 class BlockPool:
-    """All physical blocks. A free block may still hold a cached prefix until it is reused."""
+    """All physical blocks. A free block may still hold a cached prefix until it is reused.
+
+    Every block is either held (ref_cnt > 0, not in the free queue) or free (ref_cnt == 0, in
+    the queue). A hashed block is in `cached_block_hash_to_block` whether held or free.
+    """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         assert num_blocks > 0
@@ -78,31 +102,28 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.num_cached_free_blocks = 0  # free blocks with a hash; read every step, so counted
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
     def get_num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.cached_block_hash_to_block.values() if b.ref_cnt == 0)
+        return self.num_cached_free_blocks
 
     def get_usage(self) -> float:
         """Fraction of blocks held by requests; free-but-cached blocks count as free."""
-        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        assert num_blocks <= self.get_num_free_blocks(), "caller must check free blocks"
-        blocks = []
-        for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
-            self._evict(block)
+        """Pop from the head (least valuable first), evicting any cached hash they carried."""
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            if block.block_hash is not None:
+                del self.cached_block_hash_to_block[block.block_hash]
+                block.block_hash = None
+                self.num_cached_free_blocks -= 1
             block.ref_cnt = 1
-            blocks.append(block)
         return blocks
-
-    def _evict(self, block: KVCacheBlock) -> None:
-        if block.block_hash is not None:
-            del self.cached_block_hash_to_block[block.block_hash]
-            block.block_hash = None
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -112,18 +133,22 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
+                self.num_cached_free_blocks -= 1
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference each; the first freed is the first evicted among hashed blocks."""
+        """Drop one reference each; among hashed blocks the first freed is the first evicted."""
+        queue = self.free_block_queue
         for block in ordered_blocks:
             block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"double free of {block}"
-            if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    self.free_block_queue.appendleft(block)  # nothing worth keeping: reuse first
-                else:
-                    self.free_block_queue.append(block)
+            if block.ref_cnt > 0:
+                continue
+            assert block.ref_cnt == 0, f"double free of {block}"
+            if block.block_hash is None:
+                queue.appendleft(block)  # nothing worth keeping: reuse first
+            else:
+                queue.append(block)
+                self.num_cached_free_blocks += 1
 
     def cache_full_blocks(
         self, blocks: list[KVCacheBlock], block_hashes: list[bytes], start: int, end: int
@@ -131,30 +156,47 @@ class BlockPool:
         """Register blocks[start:end] (full, KV written this step or earlier) under their hashes."""
         if not self.enable_caching:
             return
-        for block, block_hash in zip(blocks[start:end], block_hashes[start:end]):
+        cached = self.cached_block_hash_to_block
+        for i in range(start, end):
+            block = blocks[i]
+            assert block.ref_cnt > 0, f"caching {block}, which nobody holds"
             if block.block_hash is not None:
-                continue
-            if block_hash in self.cached_block_hash_to_block:
+                continue  # a prefix hit: already cached
+            block_hash = block_hashes[i]
+            if block_hash in cached:
                 continue  # same content computed twice; keep the first copy as the cached one
             block.block_hash = block_hash
-            self.cached_block_hash_to_block[block_hash] = block
+            cached[block_hash] = block
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only when no request holds a block."""
         if self.get_num_free_blocks() != self.num_blocks:
             return False
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self.num_cached_free_blocks = 0
         return True
 
     def check_integrity(self) -> None:
-        """free (ref 0, in queue) + held (ref > 0) == total; the hash map agrees with blocks."""
-        free_ids = {b.block_id for b in self.free_block_queue}
-        assert len(free_ids) == self.free_block_queue.num_free_blocks
+        """free (ref 0, in queue) + held (ref > 0) == total; queue, hash map and counters agree."""
+        queue = self.free_block_queue
+        free = list(queue)
+        assert list(reversed(free)) == list(queue.iter_reversed()), "free queue links broken"
+        free_ids = {b.block_id for b in free}
+        assert len(free_ids) == len(free) == queue.num_free_blocks, "free queue count is off"
+        held = 0
         for block in self.blocks:
             in_queue = block.block_id in free_ids
+            assert block.ref_cnt >= 0, f"{block} has a negative ref count"
             assert (block.ref_cnt == 0) == in_queue, f"{block} ref/queue mismatch"
+            if not in_queue:
+                assert block.prev_free is None and block.next_free is None, f"{block} dangles"
+                held += 1
             if block.block_hash is not None:
                 assert self.cached_block_hash_to_block.get(block.block_hash) is block
+        assert held + len(free) == self.num_blocks
         for block_hash, block in self.cached_block_hash_to_block.items():
-            assert block.block_hash == block_hash
+            assert block.block_hash == block_hash and self.blocks[block.block_id] is block
+        num_cached_free = sum(1 for b in free if b.block_hash is not None)
+        assert num_cached_free == self.num_cached_free_blocks, "cached-free counter is off"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import Counter
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KVCacheBlock
@@ -44,6 +45,9 @@ class KVCacheManager:
         self.req_to_block_hashes: dict[str, list[bytes]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # The last lookup, counted in the stats only once that request is admitted, so a
+        # waiting head that is looked up every step while the pool is short counts once.
+        self._pending_query: tuple[str, int, int] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -65,20 +69,24 @@ class KVCacheManager:
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix, capped so the last token is always recomputed for logits."""
+        """Longest cached prefix, capped so the last token is always recomputed for logits.
+
+        The blocks are not yet held: pass them to allocate_slots, which touches them.
+        """
         if not self.enable_caching:
             return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        get_cached_block = self.block_pool.get_cached_block
         hits: list[KVCacheBlock] = []
         for block_hash in hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
+            block = get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
-        self.prefix_cache_stats.num_queries += request.num_tokens
-        self.prefix_cache_stats.num_hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        num_hit_tokens = len(hits) * self.block_size
+        self._pending_query = (request.request_id, request.num_tokens, num_hit_tokens)
+        return hits, num_hit_tokens
 
     def allocate_slots(
         self,
@@ -92,25 +100,36 @@ class KVCacheManager:
         | computed | new_computed (prefix hit) | new (this step) |
         """
         new_computed_blocks = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        rid = request.request_id
+        req_blocks = self.req_to_blocks.get(rid)
+        num_held = len(req_blocks) if req_blocks else 0
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        num_new_blocks = num_required - len(req_blocks) - len(new_computed_blocks)
+        num_new_blocks = max(num_required - num_held - len(new_computed_blocks), 0)
         # Hit blocks that sit in the free queue stop being free once touched.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
-            if not req_blocks:
-                self._forget(request.request_id)
             return None
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[rid] = []
+            self.req_to_block_ids[rid] = []
+        self._commit_query(rid)
         self.block_pool.touch(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-        block_ids = self.req_to_block_ids.setdefault(request.request_id, [])
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        block_ids = self.req_to_block_ids[rid]
         for added in (new_computed_blocks, new_blocks):
             req_blocks.extend(added)
             block_ids.extend(b.block_id for b in added)
         if self.enable_caching:
             self._cache_blocks(request, num_computed + num_new_tokens)
         return new_blocks
+
+    def _commit_query(self, request_id: str) -> None:
+        pending = self._pending_query
+        if pending is not None and pending[0] == request_id:
+            self.prefix_cache_stats.num_queries += pending[1]
+            self.prefix_cache_stats.num_hits += pending[2]
+            self._pending_query = None
 
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         rid = request.request_id
@@ -137,6 +156,22 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """The live block table of a request (do not mutate); empty if it holds none."""
         return self.req_to_block_ids.get(request_id, [])
+
+    def check_integrity(self) -> None:
+        """The pool's invariants, plus: each ref count equals the number of requests holding the
+        block, no request holds a block twice, only hashed blocks are shared, and the block id
+        tables mirror the block lists."""
+        self.block_pool.check_integrity()
+        holders: Counter[int] = Counter()
+        assert self.req_to_blocks.keys() == self.req_to_block_ids.keys()
+        for rid, blocks in self.req_to_blocks.items():
+            ids = [b.block_id for b in blocks]
+            assert self.req_to_block_ids[rid] == ids, f"block table of {rid} is stale"
+            assert len(set(ids)) == len(ids), f"{rid} holds a block twice"
+            holders.update(ids)
+        for block in self.block_pool.blocks:
+            assert block.ref_cnt == holders[block.block_id], f"{block} has the wrong ref count"
+            assert block.ref_cnt <= 1 or block.block_hash is not None, f"{block} shared unhashed"
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
