@@ -125,6 +125,9 @@ def test_a_hit_on_free_blocks_counts_against_the_free_pool():
     first = make_request("first", 12)
     kv.allocate_slots(first, 12)
     _finish(kv, first)  # 3 cached free blocks + 1 empty
+    too_long = make_request("too_long", 20)  # hits 3 blocks, needs 2 more: only 1 is not a hit
+    hits, num_hit = kv.get_computed_blocks(too_long)
+    assert num_hit == 12 and kv.allocate_slots(too_long, 8, hits, num_hit) is None
     second = make_request("second", 16)  # hits 3 blocks (12 tokens), needs 1 more: fits exactly
     hits, num_hit = kv.get_computed_blocks(second)
     assert num_hit == 12
