@@ -45,9 +45,9 @@ class KVCacheManager:
         self.req_to_block_hashes: dict[str, list[bytes]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
-        # The last lookup, counted in the stats only once that request is admitted, so a
-        # waiting head that is looked up every step while the pool is short counts once.
-        self._pending_query: tuple[str, int, int] | None = None
+        # Lookups (tokens, hit tokens) counted in the stats only once the request is admitted,
+        # so a waiting head that is looked up every step while the pool is short counts once.
+        self._pending_queries: dict[str, tuple[int, int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -85,7 +85,7 @@ class KVCacheManager:
                 break
             hits.append(block)
         num_hit_tokens = len(hits) * self.block_size
-        self._pending_query = (request.request_id, request.num_tokens, num_hit_tokens)
+        self._pending_queries[request.request_id] = (request.num_tokens, num_hit_tokens)
         return hits, num_hit_tokens
 
     def allocate_slots(
@@ -125,11 +125,10 @@ class KVCacheManager:
         return new_blocks
 
     def _commit_query(self, request_id: str) -> None:
-        pending = self._pending_query
-        if pending is not None and pending[0] == request_id:
-            self.prefix_cache_stats.num_queries += pending[1]
-            self.prefix_cache_stats.num_hits += pending[2]
-            self._pending_query = None
+        pending = self._pending_queries.pop(request_id, None)
+        if pending is not None:
+            self.prefix_cache_stats.num_queries += pending[0]
+            self.prefix_cache_stats.num_hits += pending[1]
 
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         rid = request.request_id
@@ -149,6 +148,7 @@ class KVCacheManager:
             self.req_to_block_hashes.pop(request.request_id, None)
 
     def _forget(self, request_id: str) -> None:
+        self._pending_queries.pop(request_id, None)
         self.req_to_blocks.pop(request_id, None)
         self.req_to_block_ids.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)

@@ -160,6 +160,16 @@ def test_prefix_stats_count_a_request_once_when_admitted():
     assert (stats.num_queries, stats.num_hits) == (9, 8)
 
 
+def test_interleaved_lookups_each_count_once_admitted():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a, b = make_request("a", 9), make_request("b", 5, start=50)
+    looked_up = [(r, *kv.get_computed_blocks(r)) for r in (a, b)]
+    for req, hits, num_hit in reversed(looked_up):
+        kv.allocate_slots(req, req.num_tokens - num_hit, hits, num_hit)
+    stats = kv.take_prefix_cache_stats()
+    assert (stats.num_queries, stats.num_hits) == (14, 0)
+
+
 def test_prefix_caching_off_never_hashes_or_hits():
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
     a = make_request("a", 9)
@@ -193,6 +203,7 @@ def snapshot(kv: KVCacheManager):
         {rid: list(hs) for rid, hs in kv.req_to_block_hashes.items()},
         dict(kv.num_cached_blocks),
         (kv.prefix_cache_stats.num_queries, kv.prefix_cache_stats.num_hits),
+        dict(kv._pending_queries),
     )
 
 
@@ -340,7 +351,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         kv.check_integrity()
         assert kv.block_pool.get_num_free_blocks() == NUM_BLOCKS and kv.usage == 0.0
         assert not kv.req_to_blocks and not kv.req_to_block_ids and not kv.req_to_block_hashes
-        assert not kv.num_cached_blocks
+        assert not kv.num_cached_blocks and not kv._pending_queries
         stats = kv.take_prefix_cache_stats()
         assert [stats.num_queries, stats.num_hits] == self.expected_stats
 
