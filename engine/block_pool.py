@@ -137,18 +137,31 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference each; among hashed blocks the first freed is the first evicted."""
+        """Drop one reference each; among hashed blocks the first freed is the first evicted.
+
+        Blocks reaching ref 0 without a hash go to the head (reused first), hashed ones to the
+        tail (kept longest for hits). The queue insert is inlined: this runs for every block.
+        """
         queue = self.free_block_queue
+        head, tail = queue._head, queue._tail
+        num_freed = num_cached = 0
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt > 0:
                 continue
             assert block.ref_cnt == 0, f"double free of {block}"
             if block.block_hash is None:
-                queue.appendleft(block)  # nothing worth keeping: reuse first
+                prev = head
             else:
-                queue.append(block)
-                self.num_cached_free_blocks += 1
+                prev = tail.prev_free
+                num_cached += 1
+            nxt = prev.next_free
+            block.prev_free = prev
+            block.next_free = nxt
+            prev.next_free = nxt.prev_free = block
+            num_freed += 1
+        queue.num_free_blocks += num_freed
+        self.num_cached_free_blocks += num_cached
 
     def cache_full_blocks(
         self, blocks: list[KVCacheBlock], block_hashes: list[bytes], start: int, end: int
