@@ -1,14 +1,15 @@
 """Continuous batching under a token budget, vLLM V1 rules (no torch).
 
 There is no prefill or decode phase: each request's num_computed_tokens catches up with its
-num_tokens, so chunked prefill and resume-after-preemption are the same path.
+num_tokens, so chunked prefill and resume-after-preemption are the same path. A step costs
+O(scheduled requests): block tables are live lists, the waiting queue removes in O(1), and the
+running list is compacted once per step, never searched per finished request.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -16,8 +17,11 @@ from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.outputs import ModelRunnerOutput
 from engine.request import Request, RequestStatus
+from engine.request_queue import RequestQueue
 
 logger = logging.getLogger(__name__)
+
+_RUNNING = RequestStatus.RUNNING
 
 
 @dataclass
@@ -27,9 +31,10 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
-    block_ids: list[list[int]] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # live tables: read, never keep
     preempted: list[Request] = field(default_factory=list)
     num_new_requests: int = 0  # admitted from the waiting queue this step
+    finished_req_ids: list[str] = field(default_factory=list)  # finished since the last step
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -46,12 +51,14 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self.block_size = config.block_size
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = RequestQueue()  # FCFS; preempted requests go back to the front
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.finished_req_ids: list[str] = []
         self.num_preemptions_total = 0
 
     # ---- queue -------------------------------------------------------------------------------
@@ -62,22 +69,36 @@ class Scheduler:
 
     def check_fits(self, request: Request) -> None:
         """Reject what could never run, instead of queueing it to livelock."""
-        max_tokens = request.sampling_params.max_tokens or 0
-        total = request.num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
+        num_prompt = request.num_prompt_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:
+            if num_prompt > self.max_model_len:
+                raise ValueError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, your request has {num_prompt} input tokens. Please reduce the "
+                    "length of the input messages."
+                )
+        elif num_prompt + max_tokens > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {total} tokens ({request.num_prompt_tokens} in the messages, "
+                f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the messages, "
                 f"{max_tokens} in the completion). Please reduce the length of the messages or "
                 "completion."
             )
-        needed = cdiv(min(total, self.max_model_len), self.config.block_size)
+        needed = cdiv(self.max_kv_tokens(request), self.config.block_size)
         if needed > self.kv_cache_manager.num_blocks:
             raise ValueError(
                 f"The request needs {needed} KV cache blocks but the whole pool has "
                 f"{self.kv_cache_manager.num_blocks}; it can never run. Reduce the prompt or "
                 "max_tokens, or start the server with a larger KV cache."
             )
+
+    def max_kv_tokens(self, request: Request) -> int:
+        """Most tokens that will ever hold KV: every token but the last one sampled."""
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:  # runs until max_model_len, always sampling at least one token
+            return max(self.max_model_len, request.num_prompt_tokens + 1) - 1
+        return request.num_prompt_tokens + max_tokens - 1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -87,45 +108,71 @@ class Scheduler:
 
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
-        if not out.preempted:
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = []
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:  # a step that preempted has no room to admit anyone
             self._schedule_waiting(out, budget)
-        for req, n in zip(out.requests, out.num_scheduled_tokens):
-            req.num_computed_tokens += n
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Each running request gets min(tokens owed, budget left, max_model_len cap).
+
+        The hot loop of a decode step, so it binds its lookups locally and calls
+        allocate_slots only when it has work to do: a new block is needed, or a block fills
+        up this step and must be cached (15 of 16 decode steps at block_size 16 need neither).
+        """
+        running, bs, max_model_len = self.running, self.block_size, self.max_model_len
+        get_block_ids = self.kv_cache_manager.get_block_ids
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        batch, num_scheduled = out.requests, out.num_scheduled_tokens
+        num_computed, block_tables = out.num_computed_tokens, out.block_ids
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            num_new = min(num_new, self.max_model_len - req.num_computed_tokens)
-            if num_new <= 0:
-                i += 1
-                continue
-            while self.kv_cache_manager.allocate_slots(req, num_new) is None:
-                victim = self.running.pop()
-                self._preempt(victim, out)
-                if victim is req:
-                    return budget
-            self._add_to_batch(out, req, num_new, req.num_computed_tokens)
-            budget -= num_new
+        while i < len(running) and budget > 0:
+            req = running[i]
             i += 1
+            computed = req.num_computed_tokens
+            num_new = min(len(req.all_token_ids) - computed, budget, max_model_len - computed)
+            if num_new <= 0:
+                continue
+            end = computed + num_new
+            block_ids = get_block_ids(req.request_id)
+            if end > len(block_ids) * bs or end // bs != computed // bs:
+                if allocate_slots(req, num_new) is None:
+                    if not self._preempt_until_fits(req, num_new, out):
+                        break
+                block_ids = get_block_ids(req.request_id)
+            batch.append(req)
+            num_scheduled.append(num_new)
+            num_computed.append(computed)
+            block_tables.append(block_ids)
+            req.num_computed_tokens = end
+            budget -= num_new
         return budget
 
+    def _preempt_until_fits(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Preempt from the back of `running` until req fits; False if req itself went."""
+        while True:
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+            if self.kv_cache_manager.allocate_slots(req, num_new) is not None:
+                return True
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """FCFS admission: the head of the queue is never overtaken, so nobody starves."""
+        kv = self.kv_cache_manager
         now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
+            req = self.waiting.peek()
+            hits, num_hit_tokens = kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit_tokens, budget)
-            if self.kv_cache_manager.allocate_slots(req, num_new, hits, num_hit_tokens) is None:
+            if kv.allocate_slots(req, num_new, hits, num_hit_tokens) is None:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            req.status = RequestStatus.RUNNING
+            req.status = _RUNNING
             req.num_computed_tokens = num_hit_tokens
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit_tokens
@@ -140,10 +187,11 @@ class Scheduler:
         out.num_scheduled_tokens.append(num_new)
         out.num_computed_tokens.append(computed)
         out.block_ids.append(self.kv_cache_manager.get_block_ids(req.request_id))
+        req.num_computed_tokens = computed + num_new
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Recompute preemption: drop the KV, resume later as an ordinary prefill."""
-        self.kv_cache_manager.free(req)
+        self.kv_cache_manager.free(req)  # reverse order; cached blocks stay for its own resume
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -151,11 +199,13 @@ class Scheduler:
         out.preempted.append(req)
         self.num_preemptions_total += 1
         logger.info(
-            "preempted request %s (%d tokens); %d running, %d waiting",
+            "preempted request %s (%d tokens, preemption %d); %d running, %d waiting, %d total",
             req.request_id,
             req.num_tokens,
+            req.num_preemptions,
             len(self.running),
             len(self.waiting),
+            self.num_preemptions_total,
         )
 
     # ---- update ------------------------------------------------------------------------------
@@ -167,30 +217,39 @@ class Scheduler:
         Returns (request, new token ids) for every request that produced a token or finished.
         """
         results = []
+        num_finished = 0
         now = time.monotonic()
+        check_stop = self._check_stop
         for req, token_id in zip(out.requests, runner_output.sampled_token_ids):
-            if token_id is None or req.finished:  # partial prefill chunk: nothing sampled
+            if token_id is None or req.status is not _RUNNING:  # partial chunk, or aborted
                 continue
-            req.append_output_token(token_id)
+            req.all_token_ids.append(token_id)
             if req.first_token_time is None:
                 req.first_token_time = now
-            if self._check_stop(req, token_id):
-                self._finish(req)
+            if check_stop(req, token_id):
+                self._free_finished(req)
+                num_finished += 1
             results.append((req, [token_id]))
+        if num_finished:  # one pass per step instead of a list.remove per finished request
+            self.running = [r for r in self.running if r.status is _RUNNING]
         return results
 
     def _check_stop(self, req: Request, token_id: int) -> bool:
+        """Length first (as vLLM), then EOS and stop token ids once min_tokens is reached."""
         params = req.sampling_params
-        if req.num_output_tokens >= (params.max_tokens or self.max_model_len):
+        num_tokens = len(req.all_token_ids)
+        num_output = num_tokens - req.num_prompt_tokens
+        if num_output >= (params.max_tokens or self.max_model_len) or (
+            num_tokens >= self.max_model_len
+        ):
             req.status = RequestStatus.FINISHED_LENGTH
             return True
-        if req.num_tokens >= self.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH
-            return True
-        if not params.ignore_eos and token_id == req.eos_token_id:
+        if num_output < params.min_tokens:  # min_tokens holds EOS and stop tokens back
+            return False
+        if token_id == req.eos_token_id and not params.ignore_eos:
             req.status = RequestStatus.FINISHED_STOPPED
             return True
-        if token_id in params.stop_token_ids:
+        if params.stop_token_ids and token_id in params.stop_token_ids:
             req.status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = token_id
             return True
@@ -199,21 +258,23 @@ class Scheduler:
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Abort (or otherwise finish) requests in any state; their blocks are freed now."""
         finished = []
+        num_running = 0
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None or req.finished:
                 continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
+            if req.status is _RUNNING:
+                num_running += 1
+            else:  # waiting or preempted
                 self.waiting.remove(req)
             req.status = status
-            self._finish(req)
+            self._free_finished(req)
             finished.append(req)
+        if num_running:
+            self.running = [r for r in self.running if r.status is _RUNNING]
         return finished
 
-    def _finish(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
+    def _free_finished(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
+        self.finished_req_ids.append(req.request_id)

@@ -252,3 +252,21 @@ def run_fake_step(scheduler, token_id: int = 7):
     from engine.outputs import ModelRunnerOutput
 
     return out, scheduler.update_from_output(out, ModelRunnerOutput(sampled))
+
+
+def run_until_done(scheduler, token_id: int = 7, max_steps: int = 10_000) -> list:
+    """run_fake_step until nothing is left; returns every step's SchedulerOutput."""
+    outs = []
+    while scheduler.has_unfinished_requests():
+        assert len(outs) < max_steps, "scheduler did not drain: livelock?"
+        outs.append(run_fake_step(scheduler, token_id)[0])
+    return outs
+
+
+def assert_scheduler_drained(scheduler) -> None:
+    """Nothing queued or running, every KV block free and the pool consistent."""
+    kv = scheduler.kv_cache_manager
+    assert not scheduler.has_unfinished_requests() and not scheduler.requests
+    kv.block_pool.check_integrity()
+    assert kv.block_pool.get_num_free_blocks() == kv.num_blocks
+    assert not kv.req_to_blocks and not kv.req_to_block_ids
