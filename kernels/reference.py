@@ -61,11 +61,44 @@ def paged_attention(
     return out
 
 
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one new token per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [num_seqs, max_num_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """All sequences at once: one gather of their blocks and one SDPA under a length mask.
+
+    The query heads of one KV head group become that group's query rows, so GQA needs no
+    repeat of K/V: q [B, Hkv, G, D] against k [B, Hkv, L, D].
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks = -(max_seq_len // -block_size)
+    blocks = block_table[:, :num_blocks].long()  # [B, nb]
+    k = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [B, Hkv, nb * bs, D]
+    v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
+    k_pos = torch.arange(k.shape[2], device=query.device)
+    mask = (k_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(num_seqs, num_heads, head_dim)
+
+
 class TorchAttentionBackend:
+    """The reference; decode-only batches take the batched path (what CPU serving runs)."""
+
     name = "torch"
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_by_slot(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        if meta.is_decode_only:
+            return paged_decode_attention(
+                query, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.max_seq_len, scale
+            )
         return paged_attention(query, k_cache, v_cache, meta, scale)
