@@ -78,9 +78,10 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_blocks = -(max_seq_len // -block_size)
-    blocks = block_table[:, :num_blocks].long()  # [B, nb]
-    k = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [B, Hkv, nb * bs, D]
-    v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
+    blocks = block_table[:, :num_blocks].reshape(-1).long()  # [B * nb]
+    kv_shape = (num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    k = k_cache.index_select(0, blocks).view(kv_shape).transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache.index_select(0, blocks).view(kv_shape).transpose(1, 2)
     k_pos = torch.arange(k.shape[2], device=query.device)
     mask = (k_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)

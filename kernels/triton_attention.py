@@ -178,7 +178,7 @@ def paged_decode_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         GROUP=group,
-        GROUP_PAD=max(triton.next_power_of_2(group), 1),
+        GROUP_PAD=max(triton.next_power_of_2(group), 2),  # no 1-wide tensors in the kernel
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,

@@ -123,6 +123,7 @@ def test_engine_greedy_through_flash_attn_equals_reference(fake_fa, tiny_model_d
             attention_backend=backend,
             block_size=256,
             max_num_batched_tokens=64,
+            device="cpu",  # the stand-in computes on CPU tensors
         )
         assert llm.engine.runner.backend.name == backend
         first = llm.generate(prompts, params, use_tqdm=False)
@@ -134,6 +135,6 @@ def test_engine_greedy_through_flash_attn_equals_reference(fake_fa, tiny_model_d
 
 
 def test_engine_default_block_size_is_256_on_flash_attn(fake_fa, tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), dtype="float32", attention_backend="flash_attn")
+    llm = LLM(str(tiny_model_dir), dtype="float32", attention_backend="flash_attn", device="cpu")
     assert llm.engine.config.block_size == 256
     assert llm.engine.runner.block_size == 256

@@ -20,6 +20,8 @@ from kernels.backend import AttentionMetadata  # noqa: E402
 from kernels.reference import paged_attention, paged_decode_attention  # noqa: E402
 
 triton_attention = pytest.importorskip("kernels.triton_attention")
+# Triton runs interpreted on CPU and compiled where a GPU is present.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (block_size, num_heads, num_kv_heads, head_dim, context lengths)
 DECODE_CASES = [
@@ -109,7 +111,7 @@ def _oracle(q, k_cache, v_cache, meta, scale):
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"bs{c[0]}-h{c[1]}/{c[2]}-d{c[3]}")
 def test_triton_decode_matches_reference(case):
-    _check_triton_decode(case, "cpu", torch.float32, 1e-5)
+    _check_triton_decode(case, DEVICE, torch.float32, 1e-5)
 
 
 def test_triton_store_kv_writes_slots_and_skips_padding():
@@ -121,7 +123,9 @@ def test_triton_store_kv_writes_slots_and_skips_padding():
     slots = torch.tensor([17, 3, 95, -1, 40], dtype=torch.int64)  # -1: a padding row
     key = torch.randn(5, num_kv_heads, head_dim, generator=gen)
     value = torch.randn(5, num_kv_heads, head_dim, generator=gen)
-    triton_attention.store_kv(key, value, k_cache, v_cache, slots)
+    on = [t.to(DEVICE) for t in (key, value, k_cache, v_cache, slots)]
+    triton_attention.store_kv(*on)
+    k_cache, v_cache = on[2].cpu(), on[3].cpu()
     keep = slots >= 0
     k_ref.view(-1, num_kv_heads, head_dim)[slots[keep]] = key[keep]
     v_ref.view(-1, num_kv_heads, head_dim)[slots[keep]] = value[keep]
@@ -133,9 +137,10 @@ def test_triton_store_kv_strided_input():
     num_kv_heads, head_dim = 2, 64
     k_cache = torch.full((2, 16, num_kv_heads, head_dim), float("nan"))
     v_cache = torch.full_like(k_cache, float("nan"))
-    kv = torch.randn(32, 2, num_kv_heads, head_dim)
+    k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    kv = torch.randn(32, 2, num_kv_heads, head_dim, device=DEVICE)
     key, value = kv[:, 0], kv[:, 1]  # non-contiguous rows
-    triton_attention.store_kv(key, value, k_cache, v_cache, torch.arange(32))
+    triton_attention.store_kv(key, value, k_cache, v_cache, torch.arange(32, device=DEVICE))
     assert torch.equal(k_cache.view(32, num_kv_heads, head_dim), key)
     assert torch.equal(v_cache.view(32, num_kv_heads, head_dim), value)
 
@@ -188,19 +193,19 @@ def test_auto_backend_on_cpu_is_torch_and_block_size_16():
     assert get_attention_backend("auto", "cpu").name == "torch"
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU refusal")
 def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         get_attention_backend("triton", "cpu")
 
 
-def test_triton_backend_through_engine_matches_torch(tiny_model_dir, monkeypatch):
-    """Greedy tokens with the triton backend (interpreted) equal the torch reference's."""
+def test_triton_backend_through_engine_matches_torch(tiny_model_dir):
+    """Greedy tokens with the triton backend (interpreted on CPU) equal the torch reference's."""
     from conftest import make_prompts
 
     from engine import LLM, SamplingParams
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     prompts = make_prompts(3, seed=4, max_len=20)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outs = {}
