@@ -163,28 +163,51 @@ def test_batched_torch_decode_matches_per_sequence(case):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_torch_backend_uses_batched_decode_only_for_decode(monkeypatch):
+def _mixed_meta(block_table, query_lens, seq_lens) -> AttentionMetadata:
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def test_mixed_batch_decode_rows_batched_match_per_sequence():
+    # decodes interleaved with a prefill chunk (7 new of 20) and a whole prompt (4 of 4)
+    query_lens, seq_lens = [1, 7, 1, 4, 1], [5, 20, 17, 4, 33]
+    k_cache, v_cache, block_table = make_paged_batch(8, 2, 64, seq_lens, torch.float32, "cpu")
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    meta = _mixed_meta(block_table, query_lens, seq_lens)
+    q = torch.randn(sum(query_lens), 6, 64)
+    got = get_attention_backend("torch", "cpu").forward(q, k_cache, v_cache, meta, 0.125)
+    want = paged_attention(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_backend_batches_decode_rows(monkeypatch):
     import kernels.reference as ref
 
-    backend = get_attention_backend("torch", "cpu")
     seen = []
-    monkeypatch.setattr(ref, "paged_decode_attention", lambda *a: seen.append("batched") or a[0])
-    k_cache, v_cache, block_table = make_paged_batch(16, 2, 64, [5, 9], torch.float32, "cpu")
-    q = torch.randn(2, 2, 64)
-    backend.forward(q, k_cache, v_cache, decode_meta(block_table, [5, 9], "cpu"), 0.125)
-    assert seen == ["batched"]
-    prefill = AttentionMetadata(
-        slot_mapping=torch.zeros(3, dtype=torch.int64),
-        query_start_loc=torch.tensor([0, 1, 3], dtype=torch.int32),
-        seq_lens=torch.tensor([5, 9], dtype=torch.int32),
-        block_table=block_table,
-        query_lens_cpu=[1, 2],
-        seq_lens_cpu=[5, 9],
-        max_query_len=2,
-        max_seq_len=9,
+    real = ref.paged_decode_attention
+    monkeypatch.setattr(
+        ref, "paged_decode_attention", lambda q, *a: seen.append(q.shape[0]) or real(q, *a)
     )
-    out = backend.forward(torch.randn(3, 2, 64), k_cache, v_cache, prefill, 0.125)
-    assert seen == ["batched"] and out.shape == (3, 2, 64)
+    backend = get_attention_backend("torch", "cpu")
+    k_cache, v_cache, block_table = make_paged_batch(16, 2, 64, [5, 9, 3], torch.float32, "cpu")
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    backend.forward(
+        torch.randn(3, 2, 64), k_cache, v_cache, decode_meta(block_table, [5, 9, 3], "cpu"), 0.1
+    )
+    mixed = _mixed_meta(block_table, [1, 2, 1], [5, 9, 3])
+    backend.forward(torch.randn(4, 2, 64), k_cache, v_cache, mixed, 0.1)
+    assert seen == [3, 2]  # all three decodes, then the two decodes of the mixed batch
 
 
 def test_auto_backend_on_cpu_is_torch_and_block_size_16():
