@@ -94,14 +94,11 @@ def _build_triton(device: str) -> AttentionBackend:
 
 
 def _flash_attn_version() -> int | None:
-    """3 or 2 if importable (without importing it), else None."""
-    for module, version in (("flash_attn_interface", 3), ("flash_attn", 2)):
-        try:
-            if importlib.util.find_spec(module) is not None:
-                return version
-        except ValueError:  # a stand-in module in sys.modules without a spec
-            return version
-    return None
+    """3 or 2 if it imports (a wheel built for another torch fails here, not later), else None."""
+    from kernels.flash_attn import import_flash_attn
+
+    found = import_flash_attn()
+    return None if found is None else found[1]
 
 
 def _device_type(device) -> str:

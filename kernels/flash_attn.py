@@ -34,7 +34,7 @@ def import_flash_attn() -> tuple[ModuleType, int] | None:
     for name, version in (("flash_attn_interface", 3), ("flash_attn", 2)):
         try:
             return importlib.import_module(name), version
-        except ImportError:
+        except (ImportError, OSError):  # absent, or built against another torch/CUDA
             continue
     return None
 

@@ -7,7 +7,7 @@ an online softmax (running max m, running sum l, unnormalised accumulator acc) i
     block_table[s] = [b7, b2, b9, ...]   tile t covers tokens t*BLOCK_N .. t*BLOCK_N+BLOCK_N-1,
                                          all inside physical block block_table[s][t*BLOCK_N // bs]
 
-Prefill and mixed batches go through the torch reference (SDPA); decode is where a paged kernel
+Prefill and mixed batches go through the torch path (SDPA); decode is where a paged kernel
 pays. Both kernels are launched with a grid fixed by the batch size and read lengths from
 tensors, so they can be captured in CUDA graphs. Tests run them on CPU with TRITON_INTERPRET=1.
 """
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.backend import AttentionMetadata
-from kernels.reference import paged_attention
+from kernels.reference import paged_attention_mixed
 
 
 @triton.jit
@@ -205,4 +205,4 @@ class TritonAttentionBackend:
             return paged_decode_attention(
                 query, k_cache, v_cache, meta.block_table, meta.seq_lens, scale
             )
-        return paged_attention(query, k_cache, v_cache, meta, scale)
+        return paged_attention_mixed(query, k_cache, v_cache, meta, scale)
