@@ -71,7 +71,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.backend = get_attention_backend(
-            config.attention_backend, self.device.type, config.block_size
+            config.attention_backend, self.device.type, config.block_size, self.dtype
         )
         logger.info("attention backend: %s", self.backend.name)
         torch.manual_seed(config.seed)

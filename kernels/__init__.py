@@ -47,14 +47,21 @@ def default_block_size(name: str = "auto", device: str = "auto") -> int:
 
 
 def get_attention_backend(
-    name: str = "auto", device: str = "cpu", block_size: int | None = None
+    name: str = "auto", device: str = "cpu", block_size: int | None = None, dtype=None
 ) -> AttentionBackend:
     """Build the backend; ValueError (said plainly) when it cannot run here or with block_size."""
     device = _device_type(device)
-    name = resolve_backend_name(name, device)
-    if name == "flash_attn":
+    resolved = resolve_backend_name(name, device)
+    if resolved == "flash_attn" and device == "cuda" and not _half(dtype):
+        if name != "auto":
+            raise ValueError(
+                f"attention backend flash_attn computes in float16/bfloat16, not {dtype}; "
+                "use --dtype bfloat16 or --attention-backend triton"
+            )
+        resolved = "triton"  # auto with float32: the Triton kernel computes any float dtype
+    if resolved == "flash_attn":
         return _build_flash_attn(device, block_size)
-    if name == "triton":
+    if resolved == "triton":
         return _build_triton(device)
     from kernels.reference import TorchAttentionBackend
 
@@ -99,6 +106,12 @@ def _flash_attn_version() -> int | None:
 
     found = import_flash_attn()
     return None if found is None else found[1]
+
+
+def _half(dtype) -> bool:
+    import torch
+
+    return dtype is None or dtype in (torch.float16, torch.bfloat16)
 
 
 def _device_type(device) -> str:

@@ -138,3 +138,12 @@ def test_engine_default_block_size_is_256_on_flash_attn(fake_fa, tiny_model_dir)
     llm = LLM(str(tiny_model_dir), dtype="float32", attention_backend="flash_attn", device="cpu")
     assert llm.engine.config.block_size == 256
     assert llm.engine.runner.block_size == 256
+
+
+def test_flash_attn_dtype_rule_on_cuda(fake_fa):
+    # Construction only: no CUDA tensor is made, so this runs on CPU machines too.
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        get_attention_backend("flash_attn", "cuda", 256, torch.float32)
+    assert get_attention_backend("flash_attn", "cuda", 256, torch.bfloat16).name == "flash_attn"
+    assert get_attention_backend("auto", "cuda", 256, torch.bfloat16).name == "flash_attn"
+    assert get_attention_backend("auto", "cuda", 16, torch.float32).name == "triton"
