@@ -13,7 +13,7 @@ class EngineConfig:
     model: str | None = None  # HF folder, .gguf file, or None for the embedded default
     served_model_name: str | None = None
     max_model_len: int | None = None  # None: the model's own limit
-    block_size: int = 16
+    block_size: int | None = None  # None: 16, or 256 where flash-attn 2 will run
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     num_gpu_blocks_override: int | None = None
@@ -26,8 +26,15 @@ class EngineConfig:
     max_num_queued_reqs: int | None = None
     device: str = "auto"
     seed: int = 0
+    enforce_eager: bool = False  # True: no CUDA graphs for decode batches
 
     def __post_init__(self) -> None:
+        if self.block_size is None:  # resolved once here, so every reader sees one number
+            from kernels import default_block_size
+
+            object.__setattr__(
+                self, "block_size", default_block_size(self.attention_backend, self.device)
+            )
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             if getattr(self, name) < 1:

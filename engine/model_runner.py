@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeCudaGraphs
 from engine.kv_cache_manager import cdiv
 from engine.models import SUPPORTED_ARCHITECTURES
 from engine.models.llama import LlamaForCausalLM
@@ -69,7 +70,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
-        self.backend = get_attention_backend(config.attention_backend, self.device.type)
+        self.backend = get_attention_backend(
+            config.attention_backend, self.device.type, config.block_size, self.dtype
+        )
+        logger.info("attention backend: %s", self.backend.name)
         torch.manual_seed(config.seed)
         self.model = load_model(model_dir, hf_config, self.backend, self.dtype, self.device)
         attn = self.model.model.layers[0].self_attn
@@ -78,6 +82,7 @@ class ModelRunner:
         self.num_blocks = self._measure_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(self.device)
+        self.decode_graphs = DecodeCudaGraphs.build(self)  # None: eager (CPU, --enforce-eager)
 
     # ---- KV cache ----------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
@@ -150,7 +155,11 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """One sampled token per scheduled request; None for a partial prefill chunk."""
         input_ids, positions, meta, logits_rows, sample_idx = self.prepare_inputs(out)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(meta):
+            hidden = graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
         sampled: list[int | None] = [None] * len(out.requests)
         if logits_rows:
             logits = self.model.compute_logits(hidden[logits_rows])

@@ -42,30 +42,101 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
+    """One sequence at a time: the oracle every other path is tested against."""
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
-    for i, (q_len, kv_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        q = query[starts[i] : starts[i] + q_len].transpose(0, 1)  # [H, q_len, D]
-        k = gather_kv(k_cache, meta.block_table[i], kv_len).transpose(0, 1)  # [Hkv, L, D]
-        v = gather_kv(v_cache, meta.block_table[i], kv_len).transpose(0, 1)
-        mask = None if q_len == 1 else bottom_right_causal_mask(q_len, kv_len, q.device)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(0),
-            k.unsqueeze(0),
-            v.unsqueeze(0),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[starts[i] : starts[i] + q_len] = o[0].transpose(0, 1)
+    for i in range(meta.num_seqs):
+        attend_one(query, k_cache, v_cache, meta, i, starts[i], scale, out)
     return out
 
 
+def attend_one(query, k_cache, v_cache, meta: AttentionMetadata, i: int, start: int, scale, out):
+    """Sequence i's rows of `out`: its new queries over its gathered context."""
+    q_len, kv_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+    q = query[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
+    k = gather_kv(k_cache, meta.block_table[i], kv_len).transpose(0, 1)  # [Hkv, L, D]
+    v = gather_kv(v_cache, meta.block_table[i], kv_len).transpose(0, 1)
+    mask = None if q_len == 1 else bottom_right_causal_mask(q_len, kv_len, q.device)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    out[start : start + q_len] = o[0].transpose(0, 1)
+
+
+def paged_attention_mixed(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Decoding sequences (one query each) batched together, the others one at a time."""
+    decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+    if len(decode) < 2:
+        return paged_attention(query, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(query)
+    starts = meta.query_start_loc.tolist()
+    seq_idx = torch.tensor(decode, device=query.device)
+    rows = torch.tensor([starts[i] for i in decode], device=query.device)
+    max_seq_len = max(meta.seq_lens_cpu[i] for i in decode)
+    out[rows] = paged_decode_attention(
+        query[rows],
+        k_cache,
+        v_cache,
+        meta.block_table[seq_idx],
+        meta.seq_lens[seq_idx],
+        max_seq_len,
+        scale,
+    )
+    for i in set(range(meta.num_seqs)) - set(decode):
+        attend_one(query, k_cache, v_cache, meta, i, starts[i], scale, out)
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one new token per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [num_seqs, max_num_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """All sequences at once: one gather of their blocks and one SDPA under a length mask.
+
+    The query heads of one KV head group become that group's query rows, so GQA needs no
+    repeat of K/V: q [B, Hkv, G, D] against k [B, Hkv, L, D].
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks = -(max_seq_len // -block_size)
+    blocks = block_table[:, :num_blocks].reshape(-1).long()  # [B * nb]
+    kv_shape = (num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    k = k_cache.index_select(0, blocks).view(kv_shape).transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache.index_select(0, blocks).view(kv_shape).transpose(1, 2)
+    k_pos = torch.arange(k.shape[2], device=query.device)
+    mask = (k_pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(num_seqs, num_heads, head_dim)
+
+
 class TorchAttentionBackend:
+    """The reference; decoding sequences take the batched path (what CPU serving runs)."""
+
     name = "torch"
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_by_slot(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        return paged_attention(query, k_cache, v_cache, meta, scale)
+        if meta.is_decode_only:
+            return paged_decode_attention(
+                query, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.max_seq_len, scale
+            )
+        return paged_attention_mixed(query, k_cache, v_cache, meta, scale)

@@ -26,7 +26,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name")
     p.add_argument("--max-model-len", type=int)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, help="default 16; 256 on flash-attn 2")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-gpu-blocks-override", type=int)
@@ -42,6 +42,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument("--log-level", default="info")
 
 

@@ -1,0 +1,114 @@
+"""flash-attn over the paged KV cache: varlen for prefill/chunked prefill, kvcache for decode.
+
+KV is written by slot_mapping first (a Triton store where Triton runs, else the torch write),
+then attention reads it back through the block table:
+
+    prefill / chunked prefill / prefix hits:
+        flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k, causal=True, block_table=...)
+    decode (one new token per sequence):
+        flash_attn_with_kvcache(q[:, None], k_cache, v_cache, cache_seqlens=seq_lens,
+                                block_table=..., causal=True)
+
+flash-attn 2 takes paged KV only when block_size % 256 == 0. flash-attn 3 (the Hopper build,
+module `flash_attn_interface`) takes any block size through `page_table`, and serves both
+phases from flash_attn_with_kvcache with cu_seqlens_q for ragged queries.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import AttentionMetadata
+from kernels.reference import write_kv_by_slot
+
+FA2_BLOCK_SIZE_MULTIPLE = 256
+
+
+def import_flash_attn() -> tuple[ModuleType, int] | None:
+    """(module, major version): FA3's flash_attn_interface first, then flash_attn 2."""
+    for name, version in (("flash_attn_interface", 3), ("flash_attn", 2)):
+        try:
+            return importlib.import_module(name), version
+        except (ImportError, OSError):  # absent, or built against another torch/CUDA
+            continue
+    return None
+
+
+def check_block_size(block_size: int, fa_version: int) -> None:
+    if fa_version == 2 and block_size % FA2_BLOCK_SIZE_MULTIPLE:
+        raise ValueError(
+            f"the flash_attn backend (flash-attn 2) needs --block-size to be a multiple of "
+            f"{FA2_BLOCK_SIZE_MULTIPLE} for its paged KV cache, got {block_size}; pass "
+            f"--block-size {FA2_BLOCK_SIZE_MULTIPLE} or choose --attention-backend triton/torch"
+        )
+
+
+class FlashAttentionBackend:
+    name = "flash_attn"
+    supports_cuda_graphs = True
+
+    def __init__(self, module: ModuleType, version: int, store_kv=None) -> None:
+        self.fa = module
+        self.version = version
+        self._store_kv = store_kv or write_kv_by_slot  # Triton's store skips padding slots
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        self._store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        if self.version == 3:
+            return self._forward_fa3(query, k_cache, v_cache, meta, scale)
+        if meta.is_decode_only:
+            return self._decode_fa2(query, k_cache, v_cache, meta, scale)
+        return self._prefill_fa2(query, k_cache, v_cache, meta, scale)
+
+    def _decode_fa2(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        out = self.fa.flash_attn_with_kvcache(
+            query.unsqueeze(1),  # [num_seqs, 1, num_heads, head_dim]
+            k_cache,
+            v_cache,
+            cache_seqlens=meta.seq_lens,
+            block_table=meta.block_table,
+            softmax_scale=scale,
+            causal=True,
+        )
+        return out.squeeze(1)
+
+    def _prefill_fa2(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        # cu_seqlens_k: [num_seqs + 1] int32 offsets of each sequence's whole context
+        cu_seqlens_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+        return self.fa.flash_attn_varlen_func(
+            query,
+            k_cache,
+            v_cache,
+            meta.query_start_loc,
+            cu_seqlens_k,
+            meta.max_query_len,
+            meta.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+            block_table=meta.block_table,
+        )
+
+    def _forward_fa3(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        if meta.is_decode_only:
+            q, extra = query.unsqueeze(1), {}
+        else:  # ragged queries: q stays flat [num_tokens, num_heads, head_dim]
+            q = query
+            extra = dict(cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len)
+        out = self.fa.flash_attn_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens=meta.seq_lens,
+            page_table=meta.block_table,
+            softmax_scale=scale,
+            causal=True,
+            **extra,
+        )
+        return out.squeeze(1) if meta.is_decode_only else out

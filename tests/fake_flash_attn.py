@@ -1,0 +1,128 @@
+"""A stand-in `flash_attn` (version 2) in plain torch, written from its documented semantics.
+
+Same signatures and shapes as flash_attn.flash_attn_varlen_func / flash_attn_with_kvcache with
+a paged KV cache, the same argument checks that matter to a caller (int32 metadata, block size a
+multiple of 256, head counts), and the causal mask aligned to the bottom-right corner:
+query i of a sequence with seqlen_q queries and seqlen_k keys sees keys j <= i + seqlen_k -
+seqlen_q. Every call is recorded in `calls` so tests can see which entry point ran.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__version__ = "2.8.3.fake"
+PAGE_BLOCK_MULTIPLE = 256
+calls: list[str] = []
+
+
+def _check_paged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor):
+    assert block_table.dtype == torch.int32, "block_table must have dtype torch.int32"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+    assert k_cache.shape[1] % PAGE_BLOCK_MULTIPLE == 0, (
+        "Paged KV cache block size must be divisible by 256"
+    )
+    assert k_cache.stride(-1) == 1, "k_cache must have contiguous last dimension"
+
+
+def _paged_kv(cache: torch.Tensor, blocks: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+    """The first seqlen_k tokens of one sequence: [seqlen_k, nheads_k, headdim]."""
+    page = cache.shape[1]
+    pos = torch.arange(seqlen_k)
+    return cache[blocks.long()[pos // page], pos % page]
+
+
+def _attend(q, k, v, scale: float, causal: bool) -> torch.Tensor:
+    """q [Lq, H, D], k/v [Lk, Hk, D] -> [Lq, H, D]; explicit softmax, no SDPA."""
+    lq, nheads, _ = q.shape
+    lk, nheads_k, _ = k.shape
+    assert nheads % nheads_k == 0, "Number of heads in key/value must divide number of heads"
+    group = nheads // nheads_k
+    k = k.repeat_interleave(group, dim=1).float()  # head h reads KV head h // group
+    v = v.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if causal:
+        i = torch.arange(lq)[:, None]
+        j = torch.arange(lk)[None, :]
+        scores = scores.masked_fill(j > i + lk - lq, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows give zeros
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """q [total_q, H, D]; with block_table, k/v are [num_blocks, page_block_size, Hk, D]."""
+    calls.append("flash_attn_varlen_func")
+    assert block_table is not None, "this stand-in only models the paged-KV form"
+    assert dropout_p == 0.0 and window_size == (-1, -1) and alibi_slopes is None
+    _check_paged(k, v, block_table)
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+    batch = cu_seqlens_q.numel() - 1
+    assert cu_seqlens_k.numel() == batch + 1 and block_table.shape[0] == batch
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = torch.empty_like(q)
+    for b in range(batch):
+        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        seqlen_k = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+        assert q1 - q0 <= max_seqlen_q and seqlen_k <= max_seqlen_k
+        kb = _paged_kv(k, block_table[b], seqlen_k)
+        vb = _paged_kv(v, block_table[b], seqlen_k)
+        out[q0:q1] = _attend(q[q0:q1], kb, vb, scale, causal)
+    return out
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """q [B, seqlen_q, H, D]; the KV of sequence b is its first cache_seqlens[b] cached tokens."""
+    calls.append("flash_attn_with_kvcache")
+    assert k is None and v is None, "this stand-in does not append new KV"
+    assert block_table is not None and cache_batch_idx is None and cache_leftpad is None
+    _check_paged(k_cache, v_cache, block_table)
+    assert q.dim() == 4 and cache_seqlens.dtype == torch.int32
+    batch = q.shape[0]
+    assert cache_seqlens.shape == (batch,) and block_table.shape[0] == batch
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = torch.empty_like(q)
+    for b in range(batch):
+        seqlen_k = int(cache_seqlens[b])
+        kb = _paged_kv(k_cache, block_table[b], seqlen_k)
+        vb = _paged_kv(v_cache, block_table[b], seqlen_k)
+        out[b] = _attend(q[b], kb, vb, scale, causal)
+    return out

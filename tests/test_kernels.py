@@ -1,0 +1,280 @@
+"""Kernels against the per-sequence torch reference on random paged caches.
+
+The Triton kernels run on CPU under TRITON_INTERPRET=1 (set before triton is imported) and on
+CUDA where a GPU is present (marker `gpu`). Outputs and caches are poisoned with NaN before each
+run, so an element the kernel forgets to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels import default_block_size, get_attention_backend, resolve_backend_name  # noqa: E402
+from kernels.backend import AttentionMetadata  # noqa: E402
+from kernels.reference import paged_attention, paged_decode_attention  # noqa: E402
+
+triton_attention = pytest.importorskip("kernels.triton_attention")
+# Triton runs interpreted on CPU and compiled where a GPU is present.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (block_size, num_heads, num_kv_heads, head_dim, context lengths)
+DECODE_CASES = [
+    (16, 4, 4, 64, [1, 16, 17, 40]),  # MHA; 16 ends exactly on a block boundary
+    (16, 8, 2, 128, [31, 32, 5]),  # GQA 4:1, head_dim 128
+    (8, 9, 3, 64, [24, 1, 13]),  # GQA 3:1 (group not a power of two), 24 = 3 full blocks
+    (32, 6, 1, 64, [64, 33]),  # MQA
+    (256, 4, 2, 64, [256, 300]),  # flash-attn 2 sized blocks, tiles smaller than a block
+]
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def make_paged_batch(block_size, num_kv_heads, head_dim, seq_lens, dtype, device, seed=0):
+    """Random caches with each sequence's blocks scattered in shuffled order, spare blocks NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = [-(n // -block_size) for n in seq_lens]
+    total = sum(num_blocks) + 3  # spare blocks that no table points at
+    shape = (total, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    perm = torch.randperm(total, generator=gen)
+    block_table = torch.zeros(len(seq_lens), max(num_blocks), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(num_blocks):
+        block_table[i, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    spare = perm[used:]
+    k_cache[spare] = float("nan")  # a read past a table's end would surface as NaN
+    v_cache[spare] = float("nan")
+    for i, n in enumerate(seq_lens):  # slots past each sequence's length are never valid either
+        last = int(block_table[i, num_blocks[i] - 1])
+        k_cache[last, n - (num_blocks[i] - 1) * block_size :] = float("nan")
+        v_cache[last, n - (num_blocks[i] - 1) * block_size :] = float("nan")
+    to = dict(device=device)
+    return k_cache.to(**to), v_cache.to(**to), block_table.to(**to)
+
+
+def decode_meta(block_table, seq_lens, device) -> AttentionMetadata:
+    n = len(seq_lens)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(n, dtype=torch.int64, device=device),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=block_table,
+        query_lens_cpu=[1] * n,
+        seq_lens_cpu=list(seq_lens),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+    )
+
+
+def _check_triton_decode(case, device, dtype, tol):
+    block_size, num_heads, num_kv_heads, head_dim, seq_lens = case
+    k_cache, v_cache, block_table = make_paged_batch(
+        block_size, num_kv_heads, head_dim, seq_lens, dtype, device
+    )
+    q = torch.randn(len(seq_lens), num_heads, head_dim).to(device=device, dtype=dtype)
+    meta = decode_meta(block_table, seq_lens, device)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    triton_attention.paged_decode_attention(
+        q, k_cache, v_cache, block_table, meta.seq_lens, scale, out=out
+    )
+    want = _oracle(q, k_cache, v_cache, meta, scale)
+    assert not out.isnan().any(), "unwritten or NaN-contaminated output"
+    assert _rel_err(out, want) < tol
+
+
+def _oracle(q, k_cache, v_cache, meta, scale):
+    """The per-sequence reference in float32 on the CPU."""
+    cpu = AttentionMetadata(
+        slot_mapping=meta.slot_mapping.cpu(),
+        query_start_loc=meta.query_start_loc.cpu(),
+        seq_lens=meta.seq_lens.cpu(),
+        block_table=meta.block_table.cpu(),
+        query_lens_cpu=meta.query_lens_cpu,
+        seq_lens_cpu=meta.seq_lens_cpu,
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+    )
+    f32 = [t.float().cpu() for t in (q, k_cache, v_cache)]
+    return paged_attention(*f32, cpu, scale)
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"bs{c[0]}-h{c[1]}/{c[2]}-d{c[3]}")
+def test_triton_decode_matches_reference(case):
+    _check_triton_decode(case, DEVICE, torch.float32, 1e-5)
+
+
+def test_triton_store_kv_writes_slots_and_skips_padding():
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 16, 2, 64
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([17, 3, 95, -1, 40], dtype=torch.int64)  # -1: a padding row
+    key = torch.randn(5, num_kv_heads, head_dim, generator=gen)
+    value = torch.randn(5, num_kv_heads, head_dim, generator=gen)
+    on = [t.to(DEVICE) for t in (key, value, k_cache, v_cache, slots)]
+    triton_attention.store_kv(*on)
+    k_cache, v_cache = on[2].cpu(), on[3].cpu()
+    keep = slots >= 0
+    k_ref.view(-1, num_kv_heads, head_dim)[slots[keep]] = key[keep]
+    v_ref.view(-1, num_kv_heads, head_dim)[slots[keep]] = value[keep]
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_triton_store_kv_strided_input():
+    # k_proj output views can be strided; the kernel must still store the right elements.
+    num_kv_heads, head_dim = 2, 64
+    k_cache = torch.full((2, 16, num_kv_heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    kv = torch.randn(32, 2, num_kv_heads, head_dim, device=DEVICE)
+    key, value = kv[:, 0], kv[:, 1]  # non-contiguous rows
+    triton_attention.store_kv(key, value, k_cache, v_cache, torch.arange(32, device=DEVICE))
+    assert torch.equal(k_cache.view(32, num_kv_heads, head_dim), key)
+    assert torch.equal(v_cache.view(32, num_kv_heads, head_dim), value)
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"bs{c[0]}-h{c[1]}/{c[2]}-d{c[3]}")
+def test_batched_torch_decode_matches_per_sequence(case):
+    block_size, num_heads, num_kv_heads, head_dim, seq_lens = case
+    k_cache, v_cache, block_table = make_paged_batch(
+        block_size, num_kv_heads, head_dim, seq_lens, torch.float32, "cpu", seed=2
+    )
+    # The batched path gathers whole blocks under a length mask: NaN in a masked slot would
+    # leak through 0 * NaN, and a real cache never holds NaN, so zero the poison here.
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    q = torch.randn(len(seq_lens), num_heads, head_dim)
+    meta = decode_meta(block_table, seq_lens, "cpu")
+    got = paged_decode_attention(
+        q, k_cache, v_cache, block_table, meta.seq_lens, meta.max_seq_len, head_dim**-0.5
+    )
+    want = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _mixed_meta(block_table, query_lens, seq_lens) -> AttentionMetadata:
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def test_mixed_batch_decode_rows_batched_match_per_sequence():
+    # decodes interleaved with a prefill chunk (7 new of 20) and a whole prompt (4 of 4)
+    query_lens, seq_lens = [1, 7, 1, 4, 1], [5, 20, 17, 4, 33]
+    k_cache, v_cache, block_table = make_paged_batch(8, 2, 64, seq_lens, torch.float32, "cpu")
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    meta = _mixed_meta(block_table, query_lens, seq_lens)
+    q = torch.randn(sum(query_lens), 6, 64)
+    got = get_attention_backend("torch", "cpu").forward(q, k_cache, v_cache, meta, 0.125)
+    want = paged_attention(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_backend_batches_decode_rows(monkeypatch):
+    import kernels.reference as ref
+
+    seen = []
+    real = ref.paged_decode_attention
+    monkeypatch.setattr(
+        ref, "paged_decode_attention", lambda q, *a: seen.append(q.shape[0]) or real(q, *a)
+    )
+    backend = get_attention_backend("torch", "cpu")
+    k_cache, v_cache, block_table = make_paged_batch(16, 2, 64, [5, 9, 3], torch.float32, "cpu")
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    backend.forward(
+        torch.randn(3, 2, 64), k_cache, v_cache, decode_meta(block_table, [5, 9, 3], "cpu"), 0.1
+    )
+    mixed = _mixed_meta(block_table, [1, 2, 1], [5, 9, 3])
+    backend.forward(torch.randn(4, 2, 64), k_cache, v_cache, mixed, 0.1)
+    assert seen == [3, 2]  # all three decodes, then the two decodes of the mixed batch
+
+
+def test_auto_backend_on_cpu_is_torch_and_block_size_16():
+    assert resolve_backend_name("auto", "cpu") == "torch"
+    assert default_block_size("auto", "cpu") == 16
+    assert get_attention_backend("auto", "cpu").name == "torch"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="checks the CPU refusal")
+def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        get_attention_backend("triton", "cpu")
+
+
+def test_triton_backend_through_engine_matches_torch(tiny_model_dir):
+    """Greedy tokens with the triton backend (interpreted on CPU) equal the torch reference's."""
+    from conftest import make_prompts
+
+    from engine import LLM, SamplingParams
+
+    prompts = make_prompts(3, seed=4, max_len=20)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_model_dir), dtype="float32", attention_backend=backend)
+        assert llm.engine.runner.backend.name == backend
+        res = llm.generate(prompts, params, use_tqdm=False)
+        outs[backend] = [o.outputs[0].token_ids for o in res]
+    assert outs["triton"] == outs["torch"]
+
+
+# ---- GPU (marker gpu; skipped without CUDA, never counted as passing on CPU) ------------------
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"bs{c[0]}-h{c[1]}/{c[2]}-d{c[3]}")
+def test_triton_decode_matches_reference_gpu(case, dtype):
+    tol = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    _check_triton_decode(case, "cuda", dtype, tol)
+
+
+@pytest.mark.gpu
+@gpu
+def test_triton_decode_large_batch_gpu():
+    lens = torch.randint(1, 2000, (256,), generator=torch.Generator().manual_seed(3)).tolist()
+    _check_triton_decode((16, 9, 3, 64, lens), "cuda", torch.bfloat16, 1e-2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_graph_decode_matches_eager_gpu(tiny_model_dir):
+    from conftest import make_prompts
+
+    from engine import LLM, SamplingParams
+
+    prompts = make_prompts(5, seed=5, max_len=40)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(
+            str(tiny_model_dir), dtype="float32", attention_backend="triton", enforce_eager=eager
+        )
+        assert (llm.engine.runner.decode_graphs is None) == eager
+        res = llm.generate(prompts, params, use_tqdm=False)
+        outs[eager] = [o.outputs[0].token_ids for o in res]
+    assert outs[False] == outs[True]
