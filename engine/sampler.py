@@ -1,14 +1,14 @@
 """Batched sampling from logits, vLLM's order of operations.
 
-    raw logits --> logprobs (of the raw distribution, for requests that asked)
-        | logit_bias, min_tokens (EOS and stop tokens masked), penalties
-        v
-    processed --> greedy rows: argmax
-        | / temperature, min-p, top-k, top-p
-        v
-    probs --> random rows: argmax(probs / q), q ~ Exp(1) (the exponential race: a categorical
-              draw). Seeded requests draw q from their own torch.Generator, one full row per
-              step, so their tokens do not depend on what else is in the batch.
+raw logits --> logprobs (of the raw distribution, for requests that asked)
+    | logit_bias, min_tokens (EOS and stop tokens masked), penalties
+    v
+processed --> greedy rows: argmax
+    | / temperature, min-p, top-k, top-p
+    v
+probs --> random rows: argmax(probs / q), q ~ Exp(1) (the exponential race: a categorical
+          draw). Seeded requests draw q from their own torch.Generator, one full row per
+          step, so their tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations

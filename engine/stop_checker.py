@@ -35,7 +35,7 @@ class StopChecker:
             return window[emit_from:cut], stop_str
         held = 0 if self.include_stop_str_in_output else self._partial_len(window)
         keep = self.max_stop_len - 1
-        self.tail = window[len(window) - keep :] if keep else ""
+        self.tail = window[max(0, len(window) - keep) :]
         self.num_held = held
         return window[emit_from : len(window) - held], None
 

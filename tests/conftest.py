@@ -252,3 +252,33 @@ def run_fake_step(scheduler, token_id: int = 7):
     from engine.outputs import ModelRunnerOutput
 
     return out, scheduler.update_from_output(out, ModelRunnerOutput(sampled))
+
+
+class ScriptedSampler:
+    """Stands in for the engine's sampler: each request emits its scripted tokens in order.
+
+    Lets engine-level tests drive exact texts (emoji, stop strings) through the real
+    detokenizer and stop checks: `engine.runner.sampler = ScriptedSampler({rid: ids})`.
+    """
+
+    def __init__(self, scripts: dict[str, list[int]]) -> None:
+        self.scripts = scripts
+
+    def __call__(self, logits, requests):
+        from engine.sampler import SamplerOutput
+
+        return SamplerOutput([self.scripts[r.request_id][r.num_output_tokens] for r in requests])
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def run_engine(engine, requests: dict[str, tuple[list[int], object]]) -> dict[str, list]:
+    """Adds {request_id: (prompt ids, SamplingParams)} and steps to the end; per-step deltas."""
+    deltas: dict[str, list] = {rid: [] for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step()[0]:
+            deltas[out.request_id].append(out)
+    return deltas
