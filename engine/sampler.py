@@ -13,6 +13,8 @@ probs --> random rows: argmax(probs / q), q ~ Exp(1) (the exponential race: a ca
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +35,7 @@ class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
+        self.prompt_masks: dict[str, torch.Tensor] = {}  # repetition_penalty: prompts never change
 
     def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         """A seeded request owns its generator, so its draws do not depend on the batch."""
@@ -45,8 +48,16 @@ class Sampler:
             self.generators[request_id] = gen
         return gen
 
+    def prompt_mask(self, req: Request, vocab: int) -> torch.Tensor:  # [vocab] bool
+        mask = self.prompt_masks.get(req.request_id)
+        if mask is None:
+            mask = token_counts([req.prompt_token_ids], vocab, self.device)[0] > 0
+            self.prompt_masks[req.request_id] = mask
+        return mask
+
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.prompt_masks.pop(request_id, None)
 
     def __call__(
         self,
@@ -54,7 +65,7 @@ class Sampler:
         requests: list[Request],  # one per row
     ) -> SamplerOutput:
         params = [r.sampling_params for r in requests]
-        processed = apply_logits_processors(logits, requests)
+        processed = apply_logits_processors(logits, requests, self.prompt_mask)
         if all(p.greedy for p in params):
             sampled = processed.argmax(dim=-1)
         else:
@@ -74,11 +85,15 @@ class Sampler:
             if gen is not None:
                 q[i].exponential_(generator=gen)
         random = probs.div_(q).argmax(dim=-1)
+        if not any(p.greedy for p in params):
+            return random
         return torch.where(greedy, logits.argmax(dim=-1), random)
 
 
 # ---- logits processors (apply to greedy rows too) ----------------------------------------------
-def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def apply_logits_processors(
+    logits: torch.Tensor, requests: list[Request], prompt_mask=None
+) -> torch.Tensor:
     """logit_bias, min_tokens, then penalties; returns `logits` itself when none applies."""
     out = logits
     bias = _bias_entries(requests, logits.shape[-1])
@@ -89,7 +104,7 @@ def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> to
     if banned is not None:
         out = out.clone() if out is logits else out
         out[tuple(t.to(out.device) for t in banned)] = float("-inf")
-    return apply_penalties(out, requests)
+    return apply_penalties(out, requests, prompt_mask)
 
 
 def _bias_entries(requests: list[Request], vocab: int):
@@ -127,7 +142,11 @@ def _has_penalties(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,  # [N, vocab]
+    requests: list[Request],
+    prompt_mask: Callable[[Request, int], torch.Tensor] | None = None,  # cached [vocab] bool
+) -> torch.Tensor:
     """vLLM's definitions: repetition over prompt + output tokens (divide positive logits,
     multiply negative ones), frequency (times the count) and presence over output tokens."""
     rows = [i for i, r in enumerate(requests) if _has_penalties(r.sampling_params)]
@@ -135,30 +154,39 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
         return logits
     dev, vocab = logits.device, logits.shape[-1]
     params = [requests[i].sampling_params for i in rows]
-    sub = logits[rows]  # [R, vocab] (a copy)
-    counts = _token_counts([requests[i].output_token_ids for i in rows], vocab, dev)  # [R, vocab]
-    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]  # [R, 1]
-    if (rep != 1.0).any():
-        prompts = [requests[i].prompt_token_ids for i in rows]
-        seen = (_token_counts(prompts, vocab, dev) > 0) | (counts > 0)
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
-    sub = sub - freq * counts - pres * (counts > 0)
+    sub = logits[rows]  # [R, vocab] (a copy, updated in place)
+    counts = token_counts([requests[i].output_token_ids for i in rows], vocab, dev)  # [R, vocab]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]  # [R, 1]
+        if prompt_mask is None:
+            prompts = [requests[i].prompt_token_ids for i in rows]
+            seen = token_counts(prompts, vocab, dev) > 0
+        else:
+            seen = torch.stack([prompt_mask(requests[i], vocab) for i in rows])
+        seen |= counts > 0
+        factor = torch.where(sub > 0, 1.0 / rep, rep).masked_fill_(~seen, 1.0)
+        sub.mul_(factor)
+    if any(p.frequency_penalty != 0.0 for p in params):
+        freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
+        sub.sub_(counts * freq)
+    if any(p.presence_penalty != 0.0 for p in params):
+        pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+        sub.sub_((counts > 0) * pres)
+    if len(rows) == len(requests):
+        return sub
     out = logits.clone()
     out[rows] = sub
     return out
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
-    """[R, vocab] float occurrence counts; padding goes to an extra column that is dropped."""
-    width = max((len(t) for t in token_lists), default=0)
-    padded = torch.tensor(
-        [ids + [vocab] * (width - len(ids)) for ids in token_lists], dtype=torch.long
-    ).reshape(len(token_lists), width)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
-    return counts[:, :vocab]
+def token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[R, vocab] float occurrence counts of each row's token ids."""
+    lengths = torch.tensor([len(t) for t in token_lists])
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)  # [total]
+    cols = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+    counts = torch.zeros(len(token_lists), vocab, device=device)
+    ones = torch.ones(len(cols), device=device)
+    return counts.index_put_((rows.to(device), cols.to(device)), ones, accumulate=True)
 
 
 # ---- random sampling -------------------------------------------------------------------------
