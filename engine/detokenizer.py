@@ -6,10 +6,15 @@ _PROMPT_CONTEXT = 6  # prompt tokens decoded with the output so leading spaces c
 
 
 class IncrementalDetokenizer:
-    """Decodes a window [prefix_offset:] and emits only text past [prefix_offset:read_offset].
+    """Decodes a short window of tokens per step and emits only the text past what was emitted.
 
-    Text is held back while the window decodes to a trailing U+FFFD (an unfinished UTF-8 byte
-    sequence from byte-fallback tokens).
+        | prompt context | emitted ...... | prefix_offset: read_offset | new |
+                                          `---- decoded as prefix ----'
+        delta = decode(window + new)[len(decode(window)):]
+
+    Text is held back while the decode ends in U+FFFD (an unfinished UTF-8 sequence from
+    byte-level or byte-fallback tokens); flush() releases it at finish. The prompt context is
+    only ever part of the prefix, so none of it reaches the output.
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
@@ -25,9 +30,16 @@ class IncrementalDetokenizer:
     def step(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the newly completed text (possibly empty)."""
         self.token_ids.extend(new_token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At finish: whatever is still held back (an unfinished character becomes U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.token_ids[self.prefix_offset :])
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+        if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
             return ""
         delta = full_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset

@@ -68,14 +68,21 @@ class LLM:
 
 
 def _merge(acc: RequestOutput, delta: RequestOutput) -> None:
+    """Folds one step's delta into the accumulated output (text, ids, logprobs)."""
+    d = delta.outputs[0]
     if not acc.outputs:
-        acc.outputs = [delta.outputs[0]]
-        acc.outputs[0].token_ids = list(delta.outputs[0].token_ids)
+        acc.outputs = [d]
+        d.token_ids = list(d.token_ids)
+        d.logprobs = list(d.logprobs) if d.logprobs is not None else None
     else:
-        out, d = acc.outputs[0], delta.outputs[0]
+        out = acc.outputs[0]
         out.text += d.text
         out.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            out.logprobs = (out.logprobs or []) + d.logprobs
         out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+    if delta.prompt_logprobs is not None:
+        acc.prompt_logprobs = delta.prompt_logprobs
     acc.finished = delta.finished
     acc.num_cached_tokens = delta.num_cached_tokens
     acc.metrics = delta.metrics or acc.metrics

@@ -9,12 +9,19 @@ from dataclasses import replace
 from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.model_loader import resolve_model
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
+from engine.output_processor import RequestState
+from engine.outputs import (
+    CompletionOutput,
+    ModelRunnerOutput,
+    RequestMetrics,
+    RequestOutput,
+    StepStats,
+    TokenLogprobs,
+)
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -32,7 +39,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, self.model_dir, self.hf_config)
         self.scheduler = Scheduler(self.config, self.runner.num_blocks)
         self.eos_token_id = self.tokenizer.eos_token_id
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.request_states: dict[str, RequestState] = {}
+        self._skip_prefix_cache_for_prompt_logprobs()
         self.last_token_time: dict[str, float] = {}
         logger.info(
             "engine ready: model=%s dtype=%s device=%s backend=%s blocks=%d x %d tokens "
@@ -56,6 +64,22 @@ class LLMEngine:
             )
         return config.max_model_len
 
+    def _skip_prefix_cache_for_prompt_logprobs(self) -> None:
+        """A prefix hit would skip prompt rows, and every prompt position needs a logprob.
+
+        vLLM makes this check inside get_computed_blocks; it wraps it here so the KV cache
+        manager stays free of sampling concerns.
+        """
+        kv = self.scheduler.kv_cache_manager
+        lookup = kv.get_computed_blocks
+
+        def get_computed_blocks(request: Request):
+            if request.sampling_params.prompt_logprobs is not None:
+                return [], 0
+            return lookup(request)
+
+        kv.get_computed_blocks = get_computed_blocks
+
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
@@ -68,6 +92,11 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of the vocabulary (size {self.vocab_size})")
+        for token_id in params.logit_bias or {}:
+            if not 0 <= int(token_id) < self.vocab_size:
+                raise SamplingParamsError(
+                    "logit_bias", f"logit_bias token id {token_id} is out of the vocabulary"
+                )
         req = Request(request_id, prompt_token_ids, params, eos_token_id=self.eos_token_id)
         self.scheduler.check_fits(req)
         return req
@@ -81,9 +110,7 @@ class LLMEngine:
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {req.request_id}")
         self.scheduler.add_request(req)
-        self.detokenizers[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids
-        )
+        self.request_states[req.request_id] = RequestState(self.tokenizer, req)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -97,17 +124,24 @@ class LLMEngine:
         t0 = time.monotonic()
         sched_out = self.scheduler.schedule()
         results = []
+        runner_out = ModelRunnerOutput(sampled_token_ids=[])
         if not sched_out.is_empty:
-            sampled = self.runner.execute(sched_out)
-            results = self.scheduler.update_from_output(sched_out, sampled)
+            runner_out = self.runner.execute(sched_out)
+            results = self.scheduler.update_from_output(sched_out, runner_out)
+        for rid, chunk in runner_out.prompt_logprobs.items():
+            if rid in self.request_states:
+                self.request_states[rid].add_prompt_logprobs(chunk)
         now = time.monotonic()
         stats = self._step_stats(sched_out, now - t0)
         stats.num_generation_tokens = len(results)
         outputs = []
         for req, new_ids in results:
             self._record_itl(req, now, stats)
-            delta = self.detokenizers[req.request_id].step(new_ids)
-            outputs.append(self._make_output(req, new_ids, delta, now))
+            delta, stop_str = self.request_states[req.request_id].process_tokens(req, new_ids)
+            if stop_str is not None:
+                self._finish_by_stop_string(req, stop_str)
+            logprobs = runner_out.logprobs.get(req.request_id)
+            outputs.append(self._make_output(req, new_ids, delta, now, logprobs))
         for out in outputs:
             if out.finished:
                 stats.finished.append(out.metrics)
@@ -120,10 +154,26 @@ class LLMEngine:
             stats.inter_token_latencies.append(now - last)
         self.last_token_time[req.request_id] = now
 
-    def _make_output(self, req: Request, new_ids: list[int], delta: str, now: float):
+    def _finish_by_stop_string(self, req: Request, stop_str: str) -> None:
+        if req.finished:  # already stopped by length or a token this step: the string wins
+            req.status = RequestStatus.FINISHED_STOPPED
+        else:  # frees its blocks now
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        req.stop_reason = stop_str
+
+    def _make_output(
+        self,
+        req: Request,
+        new_ids: list[int],
+        delta: str,
+        now: float,
+        logprobs: TokenLogprobs | None = None,
+    ):
         metrics = None
+        state = self.request_states.get(req.request_id)
+        prompt_logprobs = state.take_prompt_logprobs() if state and new_ids else None
         if req.finished:
-            self.detokenizers.pop(req.request_id, None)
+            self.request_states.pop(req.request_id, None)
             self.last_token_time.pop(req.request_id, None)
             self.runner.release(req.request_id)
             metrics = RequestMetrics(
@@ -141,6 +191,7 @@ class LLMEngine:
             token_ids=list(new_ids),
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
+            logprobs=[logprobs] if logprobs is not None else None,
         )
         return RequestOutput(
             request_id=req.request_id,
@@ -148,6 +199,7 @@ class LLMEngine:
             outputs=[completion],
             finished=req.finished,
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            prompt_logprobs=prompt_logprobs,
             metrics=metrics,
         )
 

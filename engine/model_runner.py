@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs
 from engine.kv_cache_manager import cdiv
+from engine.logprobs import compute_prompt_logprobs
 from engine.models import SUPPORTED_ARCHITECTURES
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import ModelRunnerOutput
@@ -161,12 +162,15 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         sampled: list[int | None] = [None] * len(out.requests)
+        result = ModelRunnerOutput(sampled_token_ids=sampled)
         if logits_rows:
             logits = self.model.compute_logits(hidden[logits_rows])
-            tokens = self.sampler(logits, [out.requests[i] for i in sample_idx])
-            for i, tok in zip(sample_idx, tokens):
+            sampler_out = self.sampler(logits, [out.requests[i] for i in sample_idx])
+            for i, tok in zip(sample_idx, sampler_out.sampled_token_ids):
                 sampled[i] = tok
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+            result.logprobs = sampler_out.logprobs
+        result.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, out)
+        return result
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)

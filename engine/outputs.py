@@ -67,10 +67,22 @@ class RequestMetrics:
 
 
 @dataclass
+class PromptLogprobsChunk:
+    """Prompt logprobs computed in one step: entries for prompt positions start, start + 1, ..."""
+
+    start: int  # prompt position of entries[0] (>= 1: position 0 has no logprob)
+    entries: list[TokenLogprobs]
+
+
+@dataclass
 class ModelRunnerOutput:
     """What one forward pass produced, parallel to SchedulerOutput.requests."""
 
     sampled_token_ids: list[int | None]  # None: a partial prefill chunk sampled nothing
+    # request id -> the sampled token's logprobs (only requests with params.logprobs set)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> prompt logprobs of the rows computed this step (params.prompt_logprobs set)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 @dataclass

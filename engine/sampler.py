@@ -1,17 +1,41 @@
-"""Batched sampling from logits: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Batched sampling from logits, vLLM's order of operations.
+
+raw logits --> logprobs (of the raw distribution, for requests that asked)
+    | logit_bias, min_tokens (EOS and stop tokens masked), penalties
+    v
+processed --> greedy rows: argmax
+    | / temperature, min-p, top-k, top-p
+    v
+probs --> random rows: argmax(probs / q), q ~ Exp(1) (the exponential race: a categorical
+          draw). Seeded requests draw q from their own torch.Generator, one full row per
+          step, so their tokens do not depend on what else is in the batch.
+"""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
 
+from engine.logprobs import token_logprobs
+from engine.outputs import TokenLogprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: list[int]  # one per logits row
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # request id -> sampled
 
 
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
+        self.prompt_masks: dict[str, torch.Tensor] = {}  # repetition_penalty: prompts never change
 
     def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         """A seeded request owns its generator, so its draws do not depend on the batch."""
@@ -24,52 +48,208 @@ class Sampler:
             self.generators[request_id] = gen
         return gen
 
+    def prompt_mask(self, req: Request, vocab: int) -> torch.Tensor:  # [vocab] bool
+        mask = self.prompt_masks.get(req.request_id)
+        if mask is None:
+            mask = token_counts([req.prompt_token_ids], vocab, self.device)[0] > 0
+            self.prompt_masks[req.request_id] = mask
+        return mask
+
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.prompt_masks.pop(request_id, None)
 
     def __call__(
         self,
-        logits: torch.Tensor,  # [N, vocab] float32
+        logits: torch.Tensor,  # [N, vocab] float32, never modified
         requests: list[Request],  # one per row
-    ) -> list[int]:
+    ) -> SamplerOutput:
         params = [r.sampling_params for r in requests]
-        request_ids = [r.request_id for r in requests]
-        greedy = logits.argmax(dim=-1)
+        processed = apply_logits_processors(logits, requests, self.prompt_mask)
         if all(p.greedy for p in params):
-            return greedy.tolist()
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        probs = self._probs(logits[random_rows], [params[i] for i in random_rows])
-        sampled = greedy.clone()
-        for row, i in enumerate(random_rows):
-            gen = self.generator_for(request_ids[i], params[i])
-            sampled[i] = torch.multinomial(probs[row], 1, generator=gen)[0]
-        return sampled.tolist()
+            sampled = processed.argmax(dim=-1)
+        else:
+            sampled = self.sample(processed, requests)
+        return SamplerOutput(
+            sampled_token_ids=sampled.tolist(),
+            logprobs=sampled_logprobs(logits, sampled, requests),
+        )
 
-    def _probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
-        logits = logits / temps[:, None]
-        top_ks = [p.top_k for p in params]
-        if any(k > 0 for k in top_ks):
-            logits = _apply_top_k(logits, top_ks)
-        top_ps = torch.tensor([p.top_p for p in params], device=logits.device)
-        if (top_ps < 1.0).any():
-            logits = _apply_top_p(logits, top_ps)
-        return torch.softmax(logits, dim=-1)
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:  # [N]
+        params = [r.sampling_params for r in requests]
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        probs = sampling_probs(logits, params)  # [N, vocab]
+        q = torch.empty_like(probs).exponential_()  # unseeded rows share the global RNG
+        for i, req in enumerate(requests):
+            gen = None if params[i].greedy else self.generator_for(req.request_id, params[i])
+            if gen is not None:
+                q[i].exponential_(generator=gen)
+        random = probs.div_(q).argmax(dim=-1)
+        if not any(p.greedy for p in params):
+            return random
+        return torch.where(greedy, logits.argmax(dim=-1), random)
 
 
-def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
-    sorted_desc = logits.sort(dim=-1, descending=True).values
-    kth = sorted_desc.gather(-1, (ks - 1)[:, None])  # [N, 1] smallest kept value
+# ---- logits processors (apply to greedy rows too) ----------------------------------------------
+def apply_logits_processors(
+    logits: torch.Tensor, requests: list[Request], prompt_mask=None
+) -> torch.Tensor:
+    """logit_bias, min_tokens, then penalties; returns `logits` itself when none applies."""
+    out = logits
+    bias = _bias_entries(requests, logits.shape[-1])
+    if bias is not None:
+        out = out.clone()
+        out.index_put_(tuple(t.to(out.device) for t in bias[:2]), bias[2].to(out.device), True)
+    banned = _min_tokens_entries(requests, logits.shape[-1])
+    if banned is not None:
+        out = out.clone() if out is logits else out
+        out[tuple(t.to(out.device) for t in banned)] = float("-inf")
+    return apply_penalties(out, requests, prompt_mask)
+
+
+def _bias_entries(requests: list[Request], vocab: int):
+    rows, cols, values = [], [], []
+    for i, req in enumerate(requests):
+        for token_id, bias in (req.sampling_params.logit_bias or {}).items():
+            if 0 <= int(token_id) < vocab:
+                rows.append(i)
+                cols.append(int(token_id))
+                values.append(float(bias))
+    if not rows:
+        return None
+    return torch.tensor(rows), torch.tensor(cols), torch.tensor(values)
+
+
+def _min_tokens_entries(requests: list[Request], vocab: int):
+    """(rows, cols) of EOS and stop tokens for requests still short of min_tokens."""
+    rows, cols = [], []
+    for i, req in enumerate(requests):
+        p = req.sampling_params
+        if req.num_output_tokens >= p.min_tokens:
+            continue
+        stop_ids = list(p.stop_token_ids)
+        if not p.ignore_eos and req.eos_token_id is not None:
+            stop_ids.append(req.eos_token_id)
+        ids = [t for t in stop_ids if 0 <= t < vocab]
+        rows += [i] * len(ids)
+        cols += ids
+    if not rows:
+        return None
+    return torch.tensor(rows), torch.tensor(cols)
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [N, vocab]
+    requests: list[Request],
+    prompt_mask: Callable[[Request, int], torch.Tensor] | None = None,  # cached [vocab] bool
+) -> torch.Tensor:
+    """vLLM's definitions: repetition over prompt + output tokens (divide positive logits,
+    multiply negative ones), frequency (times the count) and presence over output tokens."""
+    rows = [i for i, r in enumerate(requests) if _has_penalties(r.sampling_params)]
+    if not rows:
+        return logits
+    dev, vocab = logits.device, logits.shape[-1]
+    params = [requests[i].sampling_params for i in rows]
+    sub = logits[rows]  # [R, vocab] (a copy, updated in place)
+    counts = token_counts([requests[i].output_token_ids for i in rows], vocab, dev)  # [R, vocab]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]  # [R, 1]
+        if prompt_mask is None:
+            prompts = [requests[i].prompt_token_ids for i in rows]
+            seen = token_counts(prompts, vocab, dev) > 0
+        else:
+            seen = torch.stack([prompt_mask(requests[i], vocab) for i in rows])
+        seen |= counts > 0
+        factor = torch.where(sub > 0, 1.0 / rep, rep).masked_fill_(~seen, 1.0)
+        sub.mul_(factor)
+    if any(p.frequency_penalty != 0.0 for p in params):
+        freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
+        sub.sub_(counts * freq)
+    if any(p.presence_penalty != 0.0 for p in params):
+        pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+        sub.sub_((counts > 0) * pres)
+    if len(rows) == len(requests):
+        return sub
+    out = logits.clone()
+    out[rows] = sub
+    return out
+
+
+def token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[R, vocab] float occurrence counts of each row's token ids."""
+    lengths = torch.tensor([len(t) for t in token_lists])
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)  # [total]
+    cols = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+    counts = torch.zeros(len(token_lists), vocab, device=device)
+    ones = torch.ones(len(cols), device=device)
+    return counts.index_put_((rows.to(device), cols.to(device)), ones, accumulate=True)
+
+
+# ---- random sampling -------------------------------------------------------------------------
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then min-p, then top-k and top-p (on the renormalised top-k)."""
+    dev, vocab = logits.device, logits.shape[-1]
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+    logits = logits / temps[:, None]  # [N, vocab]
+    min_ps = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_ps):
+        logits = apply_min_p(logits, torch.tensor(min_ps, device=dev))
+    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_ps = [p.top_p for p in params]
+    has_k, has_p = any(k < vocab for k in top_ks), any(p < 1.0 for p in top_ps)
+    if has_p:
+        ks = torch.tensor(top_ks, device=dev) if has_k else None
+        logits = apply_top_k_top_p(logits, ks, torch.tensor(top_ps, device=dev))
+    elif has_k:
+        logits = apply_top_k(logits, torch.tensor(top_ks, device=dev))
+    return logits.softmax(dim=-1)
+
+
+def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    probs = logits.softmax(dim=-1)  # [N, vocab]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_ps[:, None]  # [N, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k(logits: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
+    """Keep the k largest logits per row (ties with the k-th are kept too): no full sort."""
+    max_k = int(top_ks.max())
+    top = logits.topk(max_k, dim=-1).values  # [N, max_k], descending
+    kth = top.gather(-1, (top_ks - 1)[:, None])  # [N, 1]
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def _apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+def apply_top_k_top_p(
+    logits: torch.Tensor,  # [N, vocab]
+    top_ks: torch.Tensor | None,  # [N], vocab where disabled
+    top_ps: torch.Tensor,  # [N], 1.0 where disabled
+) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, vocab]
+    if top_ks is not None:
+        positions = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits.masked_fill_(positions[None, :] >= top_ks[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    # Drop a token when the mass before it already reaches top_p; the top token always stays.
+    # Drop a token once the mass before it reaches top_p; the top token always stays.
     mass_before = probs.cumsum(dim=-1) - probs
-    drop_sorted = mass_before >= top_ps[:, None]
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    sorted_logits.masked_fill_(mass_before >= top_ps[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+# ---- logprobs ----------------------------------------------------------------------------------
+def sampled_logprobs(
+    logits: torch.Tensor,  # [N, vocab] raw
+    sampled: torch.Tensor,  # [N]
+    requests: list[Request],
+) -> dict[str, TokenLogprobs]:
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    if not rows:
+        return {}
+    logprobs = logits[rows].log_softmax(dim=-1)  # [R, vocab]
+    num_top = [requests[i].sampling_params.logprobs for i in rows]
+    entries = token_logprobs(logprobs, sampled[rows], num_top)
+    return {requests[i].request_id: e for i, e in zip(rows, entries)}

@@ -270,3 +270,33 @@ def assert_scheduler_drained(scheduler) -> None:
     kv.block_pool.check_integrity()
     assert kv.block_pool.get_num_free_blocks() == kv.num_blocks
     assert not kv.req_to_blocks and not kv.req_to_block_ids
+
+
+class ScriptedSampler:
+    """Stands in for the engine's sampler: each request emits its scripted tokens in order.
+
+    Lets engine-level tests drive exact texts (emoji, stop strings) through the real
+    detokenizer and stop checks: `engine.runner.sampler = ScriptedSampler({rid: ids})`.
+    """
+
+    def __init__(self, scripts: dict[str, list[int]]) -> None:
+        self.scripts = scripts
+
+    def __call__(self, logits, requests):
+        from engine.sampler import SamplerOutput
+
+        return SamplerOutput([self.scripts[r.request_id][r.num_output_tokens] for r in requests])
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def run_engine(engine, requests: dict[str, tuple[list[int], object]]) -> dict[str, list]:
+    """Adds {request_id: (prompt ids, SamplingParams)} and steps to the end; per-step deltas."""
+    deltas: dict[str, list] = {rid: [] for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step()[0]:
+            deltas[out.request_id].append(out)
+    return deltas

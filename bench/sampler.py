@@ -1,0 +1,74 @@
+"""Sampler cost per step by parameter mix, as a ratio to plain greedy argmax, measured side by side.
+
+python bench/sampler.py [--rows 256] [--vocab 49152] [--device cpu|cuda] [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.request import Request  # noqa: E402
+from engine.sampler import Sampler  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+MIXES = {
+    "greedy": dict(temperature=0.0),
+    "temperature": dict(temperature=0.8),
+    "top_k": dict(temperature=0.8, top_k=50),
+    "top_p": dict(temperature=0.8, top_p=0.9),
+    "top_k+top_p+min_p": dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05),
+    "seeded (all rows)": dict(temperature=0.8, seed=1),
+    "penalties": dict(temperature=0.8, presence_penalty=0.5, repetition_penalty=1.1),
+    "greedy+logprobs=5": dict(temperature=0.0, logprobs=5),
+}
+
+
+def _requests(n: int, vocab: int, params: dict) -> list[Request]:
+    rng = random.Random(0)
+    reqs = []
+    for i in range(n):
+        prompt = [rng.randrange(vocab) for _ in range(512)]
+        req = Request(f"r{i}", prompt, SamplingParams(max_tokens=1024, **params))
+        for _ in range(128):
+            req.append_output_token(rng.randrange(vocab))
+        reqs.append(req)
+    return reqs
+
+
+def _time(sampler: Sampler, logits: torch.Tensor, reqs: list[Request], iters: int) -> float:
+    sampler(logits, reqs)  # warm-up (and generator / prompt-mask creation)
+    if logits.is_cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        sampler(logits, reqs)  # ends in .tolist(): synchronised
+    return (time.perf_counter() - t0) / iters
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    logits = torch.randn(args.rows, args.vocab, device=dev) * 4
+    base = None
+    print(f"{args.rows} rows x {args.vocab} vocab on {dev}, {args.iters} iterations each")
+    for name, params in MIXES.items():
+        sec = _time(Sampler(dev), logits, _requests(args.rows, args.vocab, params), args.iters)
+        base = base or sec
+        print(f"{name:>20}: {sec * 1e3:8.2f} ms/step  {sec / base:6.2f}x greedy")
+
+
+if __name__ == "__main__":
+    main()
