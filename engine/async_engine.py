@@ -4,7 +4,8 @@ The interface is deliberately narrow (generate / abort / shutdown) so the loop c
 own process later. Torch releases the GIL, so a long step never blocks the event loop.
 
 Test-only fault injection: PAGEDSERVE_FAULT_INJECT=crash_after_steps:N makes the loop raise after
-N steps, stall_after_steps:N makes it stop stepping (a hang); read only by the engine loop.
+N steps, stall_after_steps:N makes it stop stepping (a hang), step_delay_ms:N slows every step;
+read only by the engine loop.
 """
 
 from __future__ import annotations
@@ -132,14 +133,16 @@ class AsyncEngine:
 
     # ---- the loop (engine thread) ------------------------------------------------------------
     def _run(self) -> None:
-        fault, fault_step = _fault_plan(os.environ.get(FAULT_INJECT_ENV, ""))
+        fault, fault_arg = _fault_plan(os.environ.get(FAULT_INJECT_ENV, ""))
         num_steps = 0
         try:
             while not self._stop.is_set():
                 self.last_progress_time = time.monotonic()
                 self._drain(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
-                    if fault is not None and num_steps >= fault_step:
+                    if fault == "delay":
+                        time.sleep(fault_arg / 1000)
+                    elif fault is not None and num_steps >= fault_arg:
                         self._inject(fault)
                         continue  # a stall returns only at shutdown
                     outputs, stats = self.engine.step()
@@ -195,9 +198,9 @@ class AsyncEngine:
 
 
 def _fault_plan(spec: str) -> tuple[str | None, int]:
-    """'crash_after_steps:N' / 'stall_after_steps:N' -> (kind, N); anything else -> no fault."""
+    """'crash_after_steps:N' -> ('crash', N), likewise stall and delay; anything else: no fault."""
     name, _, num = spec.partition(":")
-    kinds = {"crash_after_steps": "crash", "stall_after_steps": "stall"}
+    kinds = {"crash_after_steps": "crash", "stall_after_steps": "stall", "step_delay_ms": "delay"}
     if name not in kinds or not num.isdigit():
         if spec:
             logger.warning("ignoring unknown %s=%r", FAULT_INJECT_ENV, spec)

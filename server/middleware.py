@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from dataclasses import dataclass
 
 from server.auth import is_authorized, is_public
@@ -19,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 Scope = dict
 Message = dict
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,10 @@ class GuardMiddleware:
             await send_error(send, 413, msg, "BadRequestError", [(b"connection", b"close")])
             return
         if body is None:  # the client left while sending
+            return
+        if _has_lone_surrogate(body):
+            msg = "request body has a lone UTF-16 surrogate (\\ud800-\\udfff): not valid Unicode"
+            await send_error(send, 400, msg, "BadRequestError")
             return
         await _RequestRun(self.app, scope, body, receive, send).run(self.settings.request_timeout)
 
@@ -178,6 +185,30 @@ class _RequestRun:
         if self.is_stream:  # the stream's own shape for errors, then its usual terminator
             tail = b"data: " + error_body(408, msg, "TimeoutError") + b"\n\ndata: [DONE]\n\n"
         await self.send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+def _has_lone_surrogate(body: bytes) -> bool:
+    """JSON may spell unpaired surrogates; no tokenizer or UTF-8 writer downstream can take them."""
+    if not _SURROGATE_ESCAPE.search(body):  # a cheap scan; parse only on a hit
+        return False
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return False  # not JSON: the route's own parser answers 400
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+    return False
 
 
 async def _cancel(task: asyncio.Future) -> None:

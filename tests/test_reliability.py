@@ -44,9 +44,7 @@ def servers(tiny_model_dir):
     stall = {"PAGEDSERVE_FAULT_INJECT": "stall_after_steps:15"}
     procs = {
         "roomy": _spawn(tiny_model_dir, "--max-model-len", "1024", "--shutdown-timeout", "120"),
-        "tight": _spawn(
-            tiny_model_dir, "--max-model-len", "64", "--num-gpu-blocks-override", "16"
-        ),
+        "tight": _spawn(tiny_model_dir, "--max-model-len", "64", "--num-gpu-blocks-override", "16"),
         "overload": _spawn(
             tiny_model_dir,
             *("--max-num-seqs", "1", "--max-num-queued-reqs", "3", "--shutdown-timeout", "2"),
@@ -106,9 +104,7 @@ def test_disconnect_storm_frees_every_block(servers):
     server = procs["roomy"]
 
     async def storm():
-        bodies = [
-            {"prompt": f"request {i} " * 4, "stream": i % 2 == 0, **LONG} for i in range(100)
-        ]
+        bodies = [{"prompt": f"request {i} " * 4, "stream": i % 2 == 0, **LONG} for i in range(100)]
         return await asyncio.gather(*(_post_and_give_up(server.port, b, 0.5) for b in bodies))
 
     before = metric_value(_metrics(server.url), "pagedserve:generation_tokens_total")
@@ -163,9 +159,7 @@ def test_overload_gets_503_with_retry_after_then_recovers(servers):
 
     async def scenario():
         body = {"prompt": "hold the line", "stream": True, **LONG}
-        holders = [
-            asyncio.create_task(_post_and_give_up(server.port, body, 120)) for _ in range(4)
-        ]
+        holders = [asyncio.create_task(_post_and_give_up(server.port, body, 120)) for _ in range(4)]
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
             deadline = time.monotonic() + 60
             while True:  # one running + Q waiting
