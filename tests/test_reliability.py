@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import time
@@ -16,6 +17,11 @@ import pytest
 from conftest import ServerProcess, metric_value, wait_idle
 
 LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
+
+
+def _bound(seconds: float) -> float:
+    """A wall-clock bound as stated on a machine to ourselves, stretched by oversubscription."""
+    return seconds * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
 def _spawn(model_dir, *args: str, env: dict | None = None) -> ServerProcess:
@@ -113,10 +119,10 @@ def test_disconnect_storm_frees_every_block(servers):
     resp = httpx.post(
         server.url + "/v1/completions",
         json={"prompt": "short", "max_tokens": 4, "ignore_eos": True},
-        timeout=5.0,
+        timeout=_bound(5.0),
     )
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
-    assert time.monotonic() - t0 < 5.0
+    assert time.monotonic() - t0 < _bound(5.0)
     wait_idle(server.url, timeout=30)
     generated = metric_value(_metrics(server.url), "pagedserve:generation_tokens_total") - before
     assert 0 < generated < 100 * LONG["max_tokens"] / 2  # they ran, and they stopped early
@@ -179,7 +185,7 @@ def test_overload_gets_503_with_retry_after_then_recovers(servers):
     r, elapsed = asyncio.run(scenario())
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
     assert r.json()["error"]["type"] == "ServiceUnavailableError"
-    assert elapsed < 10.0  # refused at once, not after queueing behind the holders
+    assert elapsed < _bound(2.0)  # refused at once, not after queueing behind the holders
     wait_idle(server.url)
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3})
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
