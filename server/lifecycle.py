@@ -178,4 +178,6 @@ async def run_server(
     loader.thread.start()
     code = await supervise(server, switch, loader, settings)
     await serve_task
+    if code == 0 and loader.result is not None:
+        loader.result[0].shutdown()  # a clean stop of the engine thread after the drain
     return code
