@@ -153,7 +153,7 @@ def test_schema_and_mutation_fuzzing_never_5xx_and_leaks_nothing(server, client,
         _fuzz_route(client, route, schema)
     num_routes = len(body_schemas)
     assert _counts["requests"] >= num_routes * (NUM_SCHEMA_EXAMPLES + NUM_MUTATED_EXAMPLES) * 0.9
-    assert _counts["ok"] >= 0.1 * _counts["requests"]  # the fuzz reaches the engine, too
+    assert _counts["ok"] >= 10  # some bodies get past validation and reach the engine, too
     print(f"fuzzing: {_counts} over {sorted(body_schemas)}")
     assert server.proc.poll() is None and client.get("/health").status_code == 200
     wait_idle(server.url)
