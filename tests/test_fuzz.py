@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 NUM_SCHEMA_EXAMPLES = 150  # per route
 NUM_MUTATED_EXAMPLES = 150  # per route
+NUM_PLAUSIBLE_EXAMPLES = 50  # /v1/completions bodies in sane ranges: these reach the engine
 FUZZ = settings(
     deadline=None,
     derandomize=True,  # the same few hundred requests every run: a failure reproduces
@@ -148,12 +149,35 @@ def _fuzz_route(client: httpx.Client, route: str, schema: dict) -> None:
     mutated()
 
 
+_plausible = st.fixed_dictionaries(
+    {"prompt": st.text(min_size=1, max_size=20) | st.lists(st.integers(3, 258), min_size=1)},
+    optional={
+        "max_tokens": st.integers(1, 16),
+        "temperature": st.floats(0, 2),
+        "top_p": st.floats(0.05, 1),
+        "top_k": st.integers(-1, 50),
+        "seed": st.integers(0, 2**31),
+        "stream": st.booleans(),
+        "ignore_eos": st.booleans(),
+        "stop_token_ids": st.lists(st.integers(0, 258), max_size=3),
+    },
+)
+
+
 def test_schema_and_mutation_fuzzing_never_5xx_and_leaks_nothing(server, client, body_schemas):
     for route, schema in body_schemas.items():
         _fuzz_route(client, route, schema)
     num_routes = len(body_schemas)
     assert _counts["requests"] >= num_routes * (NUM_SCHEMA_EXAMPLES + NUM_MUTATED_EXAMPLES) * 0.9
-    assert _counts["ok"] >= 10  # some bodies get past validation and reach the engine, too
+
+    @settings(FUZZ, max_examples=NUM_PLAUSIBLE_EXAMPLES)
+    @given(body=_plausible)
+    def plausible(body):
+        _send(client, "/v1/completions", body)
+
+    ok_before = _counts["ok"]
+    plausible()
+    assert _counts["ok"] - ok_before >= NUM_PLAUSIBLE_EXAMPLES // 2  # the fuzz reaches the engine
     print(f"fuzzing: {_counts} over {sorted(body_schemas)}")
     assert server.proc.poll() is None and client.get("/health").status_code == 200
     wait_idle(server.url)
