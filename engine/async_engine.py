@@ -2,12 +2,17 @@
 
 The interface is deliberately narrow (generate / abort / shutdown) so the loop can move to its
 own process later. Torch releases the GIL, so a long step never blocks the event loop.
+
+Test-only fault injection: PAGEDSERVE_FAULT_INJECT=crash_after_steps:N makes the loop raise after
+N steps, stall_after_steps:N makes it stop stepping (a hang), step_delay_ms:N slows every step;
+read only by the engine loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -19,6 +24,8 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+FAULT_INJECT_ENV = "PAGEDSERVE_FAULT_INJECT"
 
 
 class QueueFullError(RuntimeError):
@@ -45,6 +52,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
         self.last_step_time = time.monotonic()
+        # Touched on every loop turn, idle or not: a stale value with work pending means a hang.
+        self.last_progress_time = time.monotonic()
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -63,6 +72,25 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._inbox.qsize()
 
+    @property
+    def has_pending_work(self) -> bool:
+        return bool(self._streams) or self._inbox.qsize() > 0
+
+    def is_hung(self, stall_timeout: float) -> bool:
+        """Work is pending and the loop has not come round for `stall_timeout` seconds."""
+        stalled_for = time.monotonic() - self.last_progress_time
+        return self.has_pending_work and stalled_for > stall_timeout
+
+    def fail(self, error: EngineDeadError) -> None:
+        """Declares the engine dead from outside (a hang): every waiter gets `error`."""
+        if self.error is None:
+            self.error = error
+        self._fail_all(error)
+
+    def fail_requests(self, error: EngineDeadError) -> None:
+        """Ends every pending request with `error` (shutdown); the loop frees their blocks."""
+        self._fail_all(error)
+
     # ---- requests ----------------------------------------------------------------------------
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -74,6 +102,8 @@ class AsyncEngine:
         self._inbox.put(("add", req))
         finished = False
         try:
+            if self.error is not None:  # died between the check and registering the stream
+                raise EngineDeadError("the engine is not running")
             while not finished:
                 item = await out_q.get()
                 if isinstance(item, BaseException):
@@ -103,11 +133,20 @@ class AsyncEngine:
 
     # ---- the loop (engine thread) ------------------------------------------------------------
     def _run(self) -> None:
+        fault, fault_arg = _fault_plan(os.environ.get(FAULT_INJECT_ENV, ""))
+        num_steps = 0
         try:
             while not self._stop.is_set():
+                self.last_progress_time = time.monotonic()
                 self._drain(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
+                    if fault == "delay":
+                        time.sleep(fault_arg / 1000)
+                    elif fault is not None and num_steps >= fault_arg:
+                        self._inject(fault)
+                        continue  # a stall returns only at shutdown
                     outputs, stats = self.engine.step()
+                    num_steps += 1
                     self.last_step_time = time.monotonic()
                     self._dispatch(outputs)
                     if self.on_stats is not None:
@@ -147,4 +186,23 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         for loop, q in list(self._streams.values()):
-            loop.call_soon_threadsafe(q.put_nowait, error)
+            # One instance per waiter: a raised exception carries its own traceback.
+            loop.call_soon_threadsafe(q.put_nowait, type(error)(str(error)))
+
+    def _inject(self, fault: str) -> None:
+        if fault == "crash":
+            raise RuntimeError(f"injected fault ({FAULT_INJECT_ENV})")
+        logger.warning("injected stall (%s): the engine loop stops stepping", FAULT_INJECT_ENV)
+        while not self._stop.is_set():
+            time.sleep(0.05)
+
+
+def _fault_plan(spec: str) -> tuple[str | None, int]:
+    """'crash_after_steps:N' -> ('crash', N), likewise stall and delay; anything else: no fault."""
+    name, _, num = spec.partition(":")
+    kinds = {"crash_after_steps": "crash", "stall_after_steps": "stall", "step_delay_ms": "delay"}
+    if name not in kinds or not num.isdigit():
+        if spec:
+            logger.warning("ignoring unknown %s=%r", FAULT_INJECT_ENV, spec)
+        return None, 0
+    return kinds[name], int(num)

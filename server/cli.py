@@ -35,7 +35,40 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
-    p.add_argument("--max-num-queued-reqs", type=int)
+    p.add_argument(
+        "--max-num-queued-reqs",
+        type=int,
+        help="waiting-queue bound; beyond it requests get 503 with Retry-After",
+    )
+    p.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="require the API key on /metrics too (public by default, like vLLM)",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="larger request bodies get 413",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        help="seconds a request may take end to end; then it is aborted with an error",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests get to finish before they are failed",
+    )
+    p.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=60.0,
+        help="/health turns 503 (and the process exits 1) after this long without engine "
+        "progress while work is pending",
+    )
     p.add_argument(
         "--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"]
     )
@@ -73,27 +106,61 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
-def serve(args: argparse.Namespace) -> None:
+def serve(args: argparse.Namespace) -> int:
+    """Listens at once (/health 503 while loading), then serves; returns the exit status."""
+    import asyncio
+
     import uvicorn
+
+    from server.lifecycle import LifecycleSettings, SwitchApp, run_server
+    from server.middleware import GuardMiddleware, ServerState
+
+    state, switch = ServerState(), SwitchApp()
+    guard = GuardMiddleware(switch, guard_settings(args), state)
+    # lifespan off: the app is built after the socket opens, so it has no startup hook to run.
+    config = uvicorn.Config(
+        guard,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        lifespan="off",
+        timeout_graceful_shutdown=5,
+    )
+    settings = LifecycleSettings(args.shutdown_timeout, args.engine_stall_timeout)
+    return asyncio.run(run_server(config, switch, state, lambda: build_server(args), settings))
+
+
+def guard_settings(args: argparse.Namespace):
+    from server.middleware import GuardSettings
+
+    return GuardSettings(
+        api_key=args.api_key or None,
+        protect_metrics=args.protect_metrics,
+        max_request_body_bytes=args.max_request_body_bytes,
+        request_timeout=args.request_timeout,
+    )
+
+
+def build_server(args: argparse.Namespace):
+    """Loads the model and builds the app (on the loader thread); returns (engine, app)."""
+    from transformers import AutoTokenizer
 
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
     from server.app import build_app
+    from server.lifecycle import install_engine_error_handler
     from server.metrics import Metrics
 
     engine = LLMEngine(engine_config(args))
     print(f"pagedserve: attention backend: {engine.runner.backend.name}", flush=True)
     metrics = Metrics(engine.model_name)
+    metrics.observe(engine.snapshot_stats())  # block gauges read true before the first step
     async_engine = AsyncEngine(engine, metrics.observe, args.max_num_queued_reqs)
-    async_engine.start()
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)  # own copy: engine thread decodes
     app = build_app(async_engine, tokenizer, engine.model_name, metrics)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        async_engine.shutdown()
+    install_engine_error_handler(app)
+    async_engine.start()
+    return async_engine, app
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,9 +168,25 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.command == "serve":
+        _check_serve_args(args)
+        code = serve(args)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # os._exit: a hung engine thread or a half-done load must not hold the process open.
+        os._exit(code)
+
+
+def _check_serve_args(args: argparse.Namespace) -> None:
     try:
-        if args.command == "serve":
-            serve(args)
+        engine_config(args)  # flag errors surface before the socket opens
+        for name in ("shutdown_timeout", "engine_stall_timeout", "request_timeout"):
+            value = getattr(args, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if args.max_request_body_bytes < 1:
+            raise ValueError("--max-request-body-bytes must be positive")
     except ValueError as e:
         print(f"pagedserve: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -300,3 +300,23 @@ def run_engine(engine, requests: dict[str, tuple[list[int], object]]) -> dict[st
         for out in engine.step()[0]:
             deltas[out.request_id].append(out)
     return deltas
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
+    """Polls /metrics until nothing runs or waits and every KV block is free; returns the gauges."""
+    import time
+
+    import httpx
+
+    names = ("num_requests_running", "num_requests_waiting")
+    names += ("kv_cache_free_blocks", "kv_cache_total_blocks")
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        g = {n: metric_value(text, "pagedserve:" + n) for n in names}
+        idle = g["num_requests_running"] == g["num_requests_waiting"] == 0
+        if idle and g["kv_cache_free_blocks"] == g["kv_cache_total_blocks"]:
+            return g
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout}s: {g}")
+        time.sleep(0.2)
