@@ -280,6 +280,18 @@ def test_prometheus_ttft_histogram_is_sane(scraped):
     assert itl_count == num_requests * (MAX_TOKENS - 1)
 
 
+def test_every_dashboard_query_returns_data(scraped):
+    """deploy/grafana/pagedserve.json works against a real Prometheus scraping a real server."""
+    from test_deploy import concrete_promql, dashboard_exprs
+
+    prom = scraped[0]
+    for expr in dashboard_exprs():
+        if expr.startswith("label_values("):
+            continue
+        promql = concrete_promql(expr).replace("[1m]", "[5m]")
+        assert prom.query(promql), f"no data for {expr}"
+
+
 # ---- the exposition itself ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def exposition(loaded_server) -> str:
