@@ -184,6 +184,7 @@ class LLMEngine:
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_generation_tokens=req.num_output_tokens,
                 num_preemptions=req.num_preemptions,
+                request_id=req.request_id,
             )
         completion = CompletionOutput(
             index=0,

@@ -48,6 +48,7 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_generation_tokens: int
     num_preemptions: int
+    request_id: str = ""  # for the per-request log line written from the stats path
 
     @property
     def queue_time(self) -> float | None:

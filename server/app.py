@@ -23,8 +23,8 @@ from server.protocol import (
     ModelCard,
     ModelList,
     UsageInfo,
-    random_id,
 )
+from server.request_id import RequestIdMiddleware, current_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: Metrics)
     app.state.engine, app.state.tokenizer, app.state.metrics = engine, tokenizer, metrics
     max_model_len = engine.engine.config.max_model_len
     _install_error_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
 
     @app.get("/health")
     async def health() -> Response:
@@ -74,7 +75,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: Metrics)
         _check_model(body.model, model_name)
         prompt_ids = _prompt_token_ids(body.prompt, tokenizer)
         params = _sampling_params(body)
-        request_id = random_id("cmpl")
+        request_id = f"cmpl-{current_request_id()}"
         try:
             stream = engine.generate(request_id, prompt_ids, params)
             first = await anext(stream)  # refusals surface here, before any SSE header

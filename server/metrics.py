@@ -1,10 +1,26 @@
-"""Prometheus metrics, named like vLLM's with the pagedserve: prefix, fed from StepStats."""
+"""Prometheus metrics, named like vLLM's with the pagedserve: prefix, fed from StepStats.
+
+Names, label (`model_name`) and bucket boundaries follow vLLM's V1 Prometheus logger so a vLLM
+dashboard ports by renaming the prefix; the kv_cache_*_blocks gauges are our own. Finished
+requests also get one structured log line each (logger `pagedserve.requests`).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import logging
 
-from engine.outputs import StepStats
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from engine.outputs import RequestMetrics, StepStats
+
+request_logger = logging.getLogger("pagedserve.requests")
 
 TTFT_BUCKETS = [
     0.001,
@@ -75,55 +91,105 @@ LATENCY_BUCKETS = [
     7680.0,
 ]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+FINISHED_REASONS = ("stop", "length", "abort")  # pre-created so rate() sees them from zero
 
 P = "pagedserve:"
 
 
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
 class Metrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 8192) -> None:
+        disable_created_metrics()  # like vLLM: no *_created series (process-wide switch)
         self.registry = CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
         self.model_name = model_name
+        self._add_scheduler_gauges()
+        self._add_counters()
+        self._add_histograms(build_1_2_5_buckets(max_model_len))
 
-        def gauge(name, doc):
-            return Gauge(P + name, doc, labels, registry=r).labels(model_name)
+    # ---- families ----------------------------------------------------------------------------
+    def _gauge(self, name: str, doc: str):
+        return Gauge(P + name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
 
-        def counter(name, doc):
-            return Counter(P + name, doc, labels, registry=r).labels(model_name)
+    def _counter(self, name: str, doc: str):
+        family = Counter(P + name, doc, ["model_name"], registry=self.registry)
+        return family.labels(self.model_name)
 
-        def histogram(name, doc, buckets):
-            return Histogram(P + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+    def _histogram(self, name: str, doc: str, buckets: list[float]):
+        family = Histogram(P + name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+        return family.labels(self.model_name)
 
-        self.running = gauge("num_requests_running", "Requests in model execution batches.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be processed.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.")
-        self.free_blocks = gauge("kv_cache_free_blocks", "KV blocks with no holder.")
-        self.cached_blocks = gauge(
+    def _add_scheduler_gauges(self) -> None:
+        self.running = self._gauge("num_requests_running", "Requests in model execution batches.")
+        self.waiting = self._gauge("num_requests_waiting", "Requests waiting to be processed.")
+        self.kv_usage = self._gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
+        self.free_blocks = self._gauge(
+            "kv_cache_free_blocks", "KV blocks no request holds (cached ones included)."
+        )
+        self.cached_blocks = self._gauge(
             "kv_cache_cached_blocks", "Free KV blocks still holding a cached prefix."
         )
-        self.used_blocks = gauge("kv_cache_used_blocks", "KV blocks held by requests.")
-        self.total_blocks = gauge("kv_cache_total_blocks", "All KV blocks in the pool.")
-        self.preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
-        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
-        self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
-        self.prefix_queries = counter("prefix_cache_queries", "Prefix-cache queries, in tokens.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prefix-cache hits, in tokens.")
+        self.used_blocks = self._gauge("kv_cache_used_blocks", "KV blocks held by requests.")
+        self.total_blocks = self._gauge("kv_cache_total_blocks", "All KV blocks in the pool.")
+
+    def _add_counters(self) -> None:
+        c = self._counter
+        self.preemptions = c("num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = c("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = c("generation_tokens", "Number of generation tokens processed.")
+        self.prefix_queries = c("prefix_cache_queries", "Prefix-cache queries, in tokens.")
+        self.prefix_hits = c("prefix_cache_hits", "Prefix-cache hits, in tokens.")
         self.request_success = Counter(
             P + "request_success",
-            "Finished requests.",
+            "Count of finished requests by finish reason.",
             ["model_name", "finished_reason"],
-            registry=r,
+            registry=self.registry,
         )
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end latency.", LATENCY_BUCKETS)
-        self.queue_time = histogram(
-            "request_queue_time_seconds", "Time spent waiting.", LATENCY_BUCKETS
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(self.model_name, reason)
+
+    def _add_histograms(self, token_buckets: list[int]) -> None:
+        h = self._histogram
+        self.ttft = h("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = h("inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
+        self.tpot = h(
+            "request_time_per_output_token_seconds",
+            "Mean time per output token of each request, after the first.",
+            ITL_BUCKETS,
         )
-        self.iteration_tokens = histogram(
+        self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+        self.queue_time = h(
+            "request_queue_time_seconds", "Time spent in the WAITING phase.", LATENCY_BUCKETS
+        )
+        self.inference_time = h(
+            "request_inference_time_seconds", "Time from first schedule to finish.", LATENCY_BUCKETS
+        )
+        self.prefill_time = h(
+            "request_prefill_time_seconds", "First schedule to first token.", LATENCY_BUCKETS
+        )
+        self.decode_time = h(
+            "request_decode_time_seconds", "Time from first token to finish.", LATENCY_BUCKETS
+        )
+        self.request_prompt_tokens = h(
+            "request_prompt_tokens", "Prompt tokens per finished request.", token_buckets
+        )
+        self.request_generation_tokens = h(
+            "request_generation_tokens", "Generated tokens per finished request.", token_buckets
+        )
+        self.iteration_tokens = h(
             "iteration_tokens_total", "Tokens scheduled per engine step.", ITERATION_TOKEN_BUCKETS
         )
 
+    # ---- feeding -----------------------------------------------------------------------------
     def observe(self, s: StepStats) -> None:
         """Called once per engine step from the engine thread; prometheus_client is thread-safe."""
         self.running.set(s.num_running)
@@ -143,12 +209,45 @@ class Metrics:
         for itl in s.inter_token_latencies:
             self.itl.observe(itl)
         for m, reason in zip(s.finished, s.finished_reasons):
-            self.request_success.labels(self.model_name, reason).inc()
-            self.e2e.observe(m.e2e_latency)
-            if m.time_to_first_token is not None:
-                self.ttft.observe(m.time_to_first_token)
-            if m.queue_time is not None:
-                self.queue_time.observe(m.queue_time)
+            self.observe_finished(m, reason)
+
+    def observe_finished(self, m: RequestMetrics, reason: str) -> None:
+        self.request_success.labels(self.model_name, reason).inc()
+        self.e2e.observe(m.e2e_latency)
+        self.request_prompt_tokens.observe(m.num_prompt_tokens)
+        self.request_generation_tokens.observe(m.num_generation_tokens)
+        if m.queue_time is not None:
+            self.queue_time.observe(m.queue_time)
+            self.inference_time.observe(m.finished_time - m.first_scheduled_time)
+        if m.time_to_first_token is not None:
+            self.ttft.observe(m.time_to_first_token)
+            decode_time = m.finished_time - m.first_token_time
+            self.decode_time.observe(decode_time)
+            if m.num_generation_tokens > 1:
+                self.tpot.observe(decode_time / (m.num_generation_tokens - 1))
+        if m.first_scheduled_time is not None and m.first_token_time is not None:
+            self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        log_finished_request(m, reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def log_finished_request(m: RequestMetrics, reason: str) -> None:
+    """One logfmt line per finished request: greppable by request_id, parseable by Loki & co."""
+    request_logger.info(
+        "request finished request_id=%s finish_reason=%s prompt_tokens=%d generation_tokens=%d "
+        "ttft_s=%s e2e_s=%.4f queue_s=%s preemptions=%d",
+        m.request_id or "-",
+        reason,
+        m.num_prompt_tokens,
+        m.num_generation_tokens,
+        _seconds(m.time_to_first_token),
+        m.e2e_latency,
+        _seconds(m.queue_time),
+        m.num_preemptions,
+    )
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
