@@ -26,8 +26,8 @@ DOCKERFILES = [ROOT / "Dockerfile", DEPLOY / "Dockerfile.cpu"]
 DASHBOARD = DEPLOY / "grafana" / "pagedserve.json"
 KUBERNETES_VERSION = "1.33"
 METRIC_NAME = re.compile(r"pagedserve:[A-Za-z0-9_:]+")
-# Flags added by the reliability work (graceful drain, hung-engine /health) on another branch;
-# listed so this branch's tests pass before the merge. Empty this once server/cli.py has them.
+
+
 def k8s_documents() -> list[tuple[Path, dict]]:
     docs = []
     for path in sorted(K8S.rglob("*.yaml")):
