@@ -258,12 +258,13 @@ def run_fake_step(scheduler, token_id: int = 7):
 CYCLE_TEXT = "aé🎉世ж"  # distinct UTF-8 bytes, so each byte has exactly one successor
 
 
-def build_cycle_model_dir(path: Path, text: str = CYCLE_TEXT) -> Path:
+def build_cycle_model_dir(path: Path, text: str = CYCLE_TEXT, entry: str = "\n") -> Path:
     """A tiny Llama that greedily continues `text` forever, one UTF-8 byte per token.
 
     Attention and MLP write nothing (o_proj, down_proj = 0), so the last hidden state is the
     current token's embedding; lm_head row of each byte's successor is that byte's embedding,
     so argmax is the successor by a wide margin. Every multi-byte character spans tokens.
+    `entry` bytes (the end of a chat generation prompt) lead into the cycle too.
     """
     import torch
     from safetensors.torch import load_file, save_file
@@ -280,6 +281,8 @@ def build_cycle_model_dir(path: Path, text: str = CYCLE_TEXT) -> Path:
     head = embed.clone() * 0.2  # every other token: a small random score
     for cur, nxt in zip(ids, ids[1:] + ids[:1]):
         head[nxt] = embed[cur] * 4.0
+    for cur in tokenizer.encode(entry, add_special_tokens=False):
+        head[ids[0]] += embed[cur] * 4.0
     w["model.embed_tokens.weight"], w["lm_head.weight"] = embed, head
     for name in w:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
