@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.outputs import RequestOutput
 from server.protocol import (
@@ -138,7 +138,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     return await _full(ctx, request_id, [prompt_ids], choices, formatters)
 
 
-async def _full(ctx, request_id, prompts, choices, formatters) -> dict:
+async def _full(ctx, request_id, prompts, choices, formatters) -> JSONResponse:
     states = [ChoiceState() for _ in choices]
     try:
         async for batch in merge_outputs(ctx, choices):
@@ -147,12 +147,13 @@ async def _full(ctx, request_id, prompts, choices, formatters) -> dict:
                 formatters[index].delta(out)
     except Exception as e:  # noqa: BLE001 - engine failures become an error object
         raise engine_error(e) from e
-    return ChatCompletionResponse(
+    resp = ChatCompletionResponse(
         id=request_id,
         model=ctx.model_name,
         choices=[f.message_choice() for f in formatters],
         usage=make_usage(prompts, choices, states),
-    ).model_dump()
+    )
+    return JSONResponse(resp.model_dump())
 
 
 async def _stream(

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.outputs import RequestOutput
 from server.protocol import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     random_id,
@@ -120,35 +121,42 @@ def _echo_texts(ctx: ServingContext, body: CompletionRequest, prompts: list[list
     return [p if isinstance(p, str) else ctx.tokenizer.decode(ids) for p, ids in zip(raw, prompts)]
 
 
-async def _full(ctx, request_id, prompts, choices, formatters) -> CompletionResponse:
+async def _full(ctx, request_id, prompts, choices, formatters) -> JSONResponse:
     states = [ChoiceState() for _ in choices]
-    merged: list[CompletionChoice | None] = [None] * len(choices)
+    deltas: list[list[CompletionChoice]] = [[] for _ in choices]
     try:
         async for batch in merge_outputs(ctx, choices):
             for index, out in batch:
                 states[index].add(out)
                 d = formatters[index].delta(out)
                 if d is not None:
-                    merged[index] = d if merged[index] is None else _join(merged[index], d)
+                    deltas[index].append(d)
     except Exception as e:  # noqa: BLE001 - engine failures become an error object
         raise engine_error(e) from e
-    resp_choices = [m or CompletionChoice(index=i, text="") for i, m in enumerate(merged)]
-    usage = make_usage(prompts, choices, states)
-    return CompletionResponse(
-        id=request_id, model=ctx.model_name, choices=resp_choices, usage=usage
-    ).model_dump()
+    resp = CompletionResponse(
+        id=request_id,
+        model=ctx.model_name,
+        choices=[_combine(i, ds) for i, ds in enumerate(deltas)],
+        usage=make_usage(prompts, choices, states),
+    )
+    return JSONResponse(resp.model_dump())
 
 
-def _join(a: CompletionChoice, b: CompletionChoice) -> CompletionChoice:
-    logprobs = a.logprobs
-    if a.logprobs is not None and b.logprobs is not None:
-        logprobs = merge_completion_logprobs(a.logprobs, b.logprobs)
+def _combine(index: int, deltas: list[CompletionChoice]) -> CompletionChoice:
+    """One choice from its stream deltas (so full and streamed text agree by construction)."""
+    logprobs = None
+    if deltas and deltas[0].logprobs is not None:
+        logprobs = CompletionLogprobs()
+        for d in deltas:
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(logprobs, name).extend(getattr(d.logprobs, name))
+    last = deltas[-1] if deltas else None
     return CompletionChoice(
-        index=a.index,
-        text=a.text + b.text,
+        index=index,
+        text="".join(d.text for d in deltas),
         logprobs=logprobs,
-        finish_reason=b.finish_reason,
-        stop_reason=b.stop_reason,
+        finish_reason=last.finish_reason if last else None,
+        stop_reason=last.stop_reason if last else None,
     )
 
 

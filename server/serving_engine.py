@@ -138,6 +138,10 @@ def plan_choices(
 
 def check_choices(ctx: ServingContext, choices: list[ChoiceRequest]) -> None:
     """Everything the engine would refuse, refused now (400 / 503), before any output."""
+    max_queued = getattr(ctx.engine, "max_num_queued_reqs", None)
+    if max_queued is not None and ctx.engine.num_waiting + len(choices) > max_queued:
+        msg = f"the server's waiting queue is full ({max_queued} requests)"
+        raise APIError(503, msg, "ServiceUnavailableError")
     for c in choices:
         try:
             ctx.engine.check_request(c.request_id, c.prompt_ids, c.params)

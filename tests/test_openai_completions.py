@@ -184,7 +184,8 @@ def test_echo_and_logprobs_shapes(client):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 7 + 5
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(v <= 0 for v in lp.token_logprobs[1:])
-    assert all(2 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    # 2 alternatives (+ the sampled token); lone high bytes all read "\ufffd" and share a key
+    assert all(2 <= len(t) <= 3 or "\ufffd" in t for t in lp.top_logprobs[1:])
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     openai_schema_validator("CreateCompletionResponse").validate(wire(resp))
     greedy = complete(client, "echo me", temperature=0, max_tokens=5, logprobs=1).choices[0]
