@@ -47,6 +47,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+_REFUSED_EXTRAS = (
+    "prompt_logprobs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
 class SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -74,9 +84,21 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
+    # vLLM extras that would change the output if honoured: refused rather than ignored
+    prompt_logprobs: int | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options", "stream_options requires stream=true")
+        for name in _REFUSED_EXTRAS:
+            if getattr(self, name) is not None:
+                hint = "; use echo with logprobs" if name == "prompt_logprobs" else ""
+                raise SamplingParamsError(name, f"{name} is not supported{hint}")
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         if not self.logit_bias:
