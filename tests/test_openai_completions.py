@@ -41,6 +41,17 @@ def complete(client, prompt="Hello there", **kw):
     return client.completions.create(model=model, prompt=prompt, extra_body=extra, **kw)
 
 
+def without_echo_null(resp) -> dict:
+    """The wire body minus the echoed prompt's leading null logprob, which OpenAI returns but
+    its schema's number-only lists do not model."""
+    body = wire(resp)
+    for choice in body["choices"]:
+        for name in ("token_logprobs", "top_logprobs"):
+            assert choice["logprobs"][name][0] is None
+            choice["logprobs"][name] = choice["logprobs"][name][1:]
+    return body
+
+
 def tokenize(client, prompt: str) -> list[int]:
     url = str(client.base_url.join("/tokenize"))
     return httpx.post(url, json={"prompt": prompt}).json()["tokens"]
@@ -187,7 +198,7 @@ def test_echo_and_logprobs_shapes(client):
     # 2 alternatives (+ the sampled token); lone high bytes all read "\ufffd" and share a key
     assert all(2 <= len(t) <= 3 or "\ufffd" in t for t in lp.top_logprobs[1:])
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
-    openai_schema_validator("CreateCompletionResponse").validate(wire(resp))
+    openai_schema_validator("CreateCompletionResponse").validate(without_echo_null(resp))
     greedy = complete(client, "echo me", temperature=0, max_tokens=5, logprobs=1).choices[0]
     for token, top in zip(greedy.logprobs.tokens, greedy.logprobs.top_logprobs):
         assert max(top, key=top.get) == token  # greedy picks the best token
