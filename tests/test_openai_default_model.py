@@ -61,5 +61,7 @@ def test_chat_stream_equals_full_and_logprob_bytes(client):
     assert content
     chunks = list(client.chat.completions.create(stream=True, **kw))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
-    entries = full.choices[0].logprobs.content
-    assert b"".join(bytes(e.bytes) for e in entries).decode() == content
+    entries = full.choices[0].logprobs.content  # one per token, the EOS that stopped it too
+    eos = "<|im_end|>" if full.choices[0].finish_reason == "stop" else ""
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == content + eos
+    assert len(entries) == full.usage.completion_tokens
