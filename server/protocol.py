@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -35,7 +35,12 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | None = None
+    code: str | None = None  # OpenAI's schema: a string or null
+
+    @field_validator("code", mode="before")
+    @classmethod
+    def _code_as_string(cls, value):
+        return str(value) if isinstance(value, int) else value
 
 
 class ErrorResponse(BaseModel):
