@@ -96,6 +96,8 @@ class AsyncEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Yields per-step deltas; leaving early (disconnect, cancel) aborts the request."""
+        if request_id in self._streams:  # ids come partly from clients (X-Request-Id)
+            raise ValueError(f"request id {request_id!r} is already in use")
         req = self.check_request(request_id, prompt_token_ids, params)
         out_q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out_q)
@@ -165,7 +167,7 @@ class AsyncEngine:
         while True:
             kind, payload = item
             if kind == "add":
-                self.engine.add(payload)
+                self._add(payload)
             elif kind == "abort":
                 aborts.append(payload)
             try:
@@ -176,6 +178,16 @@ class AsyncEngine:
             self._dispatch(self.engine.abort_request(aborts))
             if self.on_stats is not None and not self.engine.has_unfinished_requests():
                 self.on_stats(self.engine.snapshot_stats())
+
+    def _add(self, req) -> None:
+        """A request the engine refuses fails alone; it must never take the loop down."""
+        try:
+            self.engine.add(req)
+        except ValueError as e:
+            stream = self._streams.get(req.request_id)
+            if stream is not None:
+                loop, q = stream
+                loop.call_soon_threadsafe(q.put_nowait, e)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -3,91 +3,330 @@
 from __future__ import annotations
 
 import time
-import uuid
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from engine.sampling_params import SamplingParams
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+from engine.sampling_params import SamplingParams, SamplingParamsError
 
 
+def _now() -> int:
+    return int(time.time())
+
+
+class OpenAIModel(BaseModel):
+    """Serializes optional fields that OpenAI omits (rather than nulls) only when set."""
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_optionals(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        return {k: v for k, v in data.items() if not (v is None and k in self.omit_if_none)}
+
+
+# ---- errors ----------------------------------------------------------------------------------
 class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int | str | None = None
+    code: str | None = None  # OpenAI's schema: a string or null
+
+    @field_validator("code", mode="before")
+    @classmethod
+    def _code_as_string(cls, value):
+        return str(value) if isinstance(value, int) else value
 
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# ---- requests --------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
+_REFUSED_EXTRAS = (
+    "prompt_logprobs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    n: int = 1
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
     seed: int | None = None
-    user: str | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored, like vLLM
     # vLLM extras
     top_k: int | None = None
-    ignore_eos: bool = False
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
-    def to_sampling_params(self) -> SamplingParams:
-        return SamplingParams(
+    # vLLM extras that would change the output if honoured: refused rather than ignored
+    prompt_logprobs: int | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise SamplingParamsError("stream_options", "stream_options requires stream=true")
+        for name in _REFUSED_EXTRAS:
+            if getattr(self, name) is not None:
+                hint = "; use echo with logprobs" if name == "prompt_logprobs" else ""
+                raise SamplingParamsError(name, f"{name} is not supported{hint}")
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): float(v) for k, v in self.logit_bias.items()}
+        except ValueError as e:
+            raise SamplingParamsError("logit_bias", "logit_bias keys must be token ids") from e
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        self.check_stream_options()
+        return dict(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
             seed=self.seed,
-            max_tokens=self.max_tokens,
-            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias_ids(),
+            stop=[self.stop] if isinstance(self.stop, str) else self.stop,
             stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
         )
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None  # refused unless 1
+    suffix: str | None = None  # refused
+    add_special_tokens: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.best_of is not None and self.best_of != 1:
+            raise SamplingParamsError("best_of", "best_of other than 1 is not supported")
+        if self.suffix is not None:
+            raise SamplingParamsError("suffix", "suffix is not supported")
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo else None,
+            **self.sampling_kwargs(),
+        )
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the template
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None  # refused when non-empty
+    response_format: dict | None = None  # only {"type": "text"}
+    # vLLM extras
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise SamplingParamsError("tools", "tool calling is not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise SamplingParamsError("response_format", "only response_format type text")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise SamplingParamsError("top_logprobs", "top_logprobs requires logprobs=true")
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                **self.sampling_kwargs(),
+            )
+        except SamplingParamsError as e:  # report the chat names of the fields
+            renamed = {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param}
+            raise SamplingParamsError(renamed.get(e.param, e.param), str(e)) from e
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses -------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
 
 
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: dict | None = None
-    finish_reason: Literal["stop", "length", "content_filter"] | None = None
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or token id that matched
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(OpenAIModel):
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"usage"})
+
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_now)
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIModel):
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"role", "content"})
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
 
 
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int = Field(default_factory=_now)
     owned_by: str = "pagedserve"
     root: str | None = None
     max_model_len: int | None = None
@@ -96,3 +335,14 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -320,3 +320,88 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
         if time.monotonic() > deadline:
             raise AssertionError(f"server not idle after {timeout}s: {g}")
         time.sleep(0.2)
+
+
+# ---- OpenAI surface (server/serving_*): a model whose greedy output is known text -----------
+CYCLE_TEXT = "aé🎉世ж"  # distinct UTF-8 bytes, so each byte has exactly one successor
+
+
+def build_cycle_model_dir(path: Path, text: str = CYCLE_TEXT, entry: str = "\n") -> Path:
+    """A tiny Llama that greedily continues `text` forever, one UTF-8 byte per token.
+
+    Attention and MLP write nothing (o_proj, down_proj = 0), so the last hidden state is the
+    current token's embedding; lm_head row of each byte's successor is that byte's embedding,
+    so argmax is the successor by a wide margin. Every multi-byte character spans tokens.
+    `entry` bytes (the end of a chat generation prompt) lead into the cycle too.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    build_tiny_model_dir(path, seed=2)
+    tokenizer = build_byte_tokenizer()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(set(ids)) == len(ids), "cycle bytes must be distinct"
+    weights_path = next(path.glob("*.safetensors"))
+    w = load_file(weights_path)
+    gen = torch.Generator().manual_seed(0)
+    embed = torch.randn(w["model.embed_tokens.weight"].shape, generator=gen)
+    embed = embed / embed.norm(dim=-1, keepdim=True)
+    head = embed.clone() * 0.2  # every other token: a small random score
+    for cur, nxt in zip(ids, ids[1:] + ids[:1]):
+        head[nxt] = embed[cur] * 4.0
+    for cur in tokenizer.encode(entry, add_special_tokens=False):
+        head[ids[0]] += embed[cur] * 4.0
+    w["model.embed_tokens.weight"], w["lm_head.weight"] = embed, head
+    for name in w:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = torch.zeros_like(w[name])
+    save_file(w, weights_path, metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="session")
+def cycle_model_dir(tmp_path_factory) -> Path:
+    return build_cycle_model_dir(tmp_path_factory.mktemp("cycle-llama"))
+
+
+@pytest.fixture(scope="session")
+def cycle_server(cycle_model_dir):
+    server = ServerProcess(
+        str(cycle_model_dir), "--dtype", "float32", "--served-model-name", "cycle"
+    ).wait_ready()
+    yield server
+    server.stop()
+
+
+def _nullable_to_json_schema(node):
+    """OpenAPI 3.0 `nullable: true` -> JSON Schema's explicit null alternative."""
+    if isinstance(node, list):
+        return [_nullable_to_json_schema(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _nullable_to_json_schema(v) for k, v in node.items()}
+    if node.pop("nullable", False):
+        return {"anyOf": [node, {"type": "null"}]}
+    return node
+
+
+def openai_schema_validator(component: str, allow_null: tuple[str, ...] = ()):
+    """A jsonschema validator for one component of /work/shared/reference/openai-schemas.yaml.
+
+    `allow_null`: choice fields the stream shape of a schema leaves null (e.g. completions
+    chunks carry finish_reason null until the last one, which OpenAI's schema does not model).
+    """
+    import copy
+
+    import jsonschema
+    import yaml
+
+    path = Path(__file__).parent / "data" / "openai-schemas.yaml"  # the OpenAI spec excerpt
+    spec = yaml.safe_load(path.read_text())
+    components = _nullable_to_json_schema(spec["schemas"])  # the excerpt keeps schemas on top
+    schema = copy.deepcopy(components[component])
+    for name in allow_null:
+        props = schema["properties"]["choices"]["items"]["properties"]
+        props[name] = {"anyOf": [props[name], {"type": "null"}]}
+    schema["components"] = {"schemas": components}
+    return jsonschema.Draft202012Validator(schema)

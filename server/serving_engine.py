@@ -1,0 +1,222 @@
+"""What both OpenAI endpoints share: limits, fan-out of n choices into engine requests, merging.
+
+Every refusal happens in `start_choices`, before a response (or an SSE header) exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from server.protocol import PromptTokensDetails, UsageInfo
+from server.serving_errors import APIError
+from server.serving_logprobs import TokenStrings
+
+_INT64_MAX = 2**63 - 1
+_DONE = object()
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    tokenizer: object
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    token_strings: TokenStrings
+
+    @classmethod
+    def build(cls, engine: AsyncEngine, tokenizer, model_name: str) -> ServingContext:
+        return cls(
+            engine=engine,
+            tokenizer=tokenizer,
+            model_name=model_name,
+            max_model_len=engine.engine.config.max_model_len,
+            vocab_size=engine.engine.vocab_size,
+            token_strings=TokenStrings(tokenizer),
+        )
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested != self.model_name:
+            msg = f"The model `{requested}` does not exist."
+            raise APIError(404, msg, "NotFoundError", "model", "model_not_found")
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            msg = f"token id {bad} is out of the vocabulary (size {self.vocab_size})"
+            raise APIError(400, msg, param=param)
+
+
+def to_sampling_params(body, param_fallback: str | None = None) -> SamplingParams:
+    """body.to_sampling_params() with field errors turned into 400s naming the field."""
+    try:
+        return body.to_sampling_params()
+    except SamplingParamsError as e:
+        raise APIError(400, str(e), param=e.param) from e
+    except ValueError as e:
+        raise APIError(400, str(e), param=param_fallback) from e
+
+
+def resolve_max_tokens(
+    ctx: ServingContext, num_prompt_tokens: int, params: SamplingParams, param: str
+) -> SamplingParams:
+    """Checks prompt + max_tokens against max_model_len (vLLM's wording); fills a None limit."""
+    if params.max_tokens is None:
+        if num_prompt_tokens >= ctx.max_model_len:
+            msg = (
+                f"This model's maximum context length is {ctx.max_model_len} tokens. However, "
+                f"your request has {num_prompt_tokens} input tokens. Please reduce the length of "
+                "the input messages."
+            )
+            raise APIError(400, msg, param=param, code="context_length_exceeded")
+        return replace(params, max_tokens=ctx.max_model_len - num_prompt_tokens)
+    total = num_prompt_tokens + params.max_tokens
+    if total > ctx.max_model_len:
+        msg = (
+            f"This model's maximum context length is {ctx.max_model_len} tokens. However, you "
+            f"requested {total} tokens ({num_prompt_tokens} in the messages, {params.max_tokens} "
+            "in the completion). Please reduce the length of the messages or completion."
+        )
+        raise APIError(400, msg, param=param, code="context_length_exceeded")
+    return params
+
+
+def child_params(params: SamplingParams, i: int) -> SamplingParams:
+    """The i-th of n samples: its own seed (seed + i, wrapped to int64) so choices differ."""
+    seed = params.seed
+    if seed is not None and i:
+        seed = seed + i
+        if seed > _INT64_MAX:
+            seed -= 2**64
+    return replace(params, n=1, seed=seed)
+
+
+@dataclass
+class ChoiceRequest:
+    index: int  # choice index = prompt_idx * n + i
+    prompt_idx: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far (non-streamed bodies and usage)."""
+
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def add(self, out: RequestOutput) -> None:
+        c = out.outputs[0]
+        self.text += c.text
+        self.num_tokens += len(c.token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if c.finish_reason is not None:
+            self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+def plan_choices(
+    base_id: str, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[ChoiceRequest]:
+    n = params[0].n
+    return [
+        ChoiceRequest(p * n + i, p, f"{base_id}-{p * n + i}", ids, child_params(params[p], i))
+        for p, ids in enumerate(prompts)
+        for i in range(n)
+    ]
+
+
+def check_choices(ctx: ServingContext, choices: list[ChoiceRequest]) -> None:
+    """Everything the engine would refuse, refused now (400 / 503), before any output."""
+    max_queued = getattr(ctx.engine, "max_num_queued_reqs", None)
+    if max_queued is not None and ctx.engine.num_waiting + len(choices) > max_queued:
+        msg = f"the server's waiting queue is full ({max_queued} requests)"
+        raise APIError(503, msg, "ServiceUnavailableError")
+    for c in choices:
+        try:
+            ctx.engine.check_request(c.request_id, c.prompt_ids, c.params)
+        except (QueueFullError, EngineDeadError) as e:
+            raise APIError(503, str(e), "ServiceUnavailableError") from e
+        except ValueError as e:
+            raise APIError(400, str(e), param=getattr(e, "param", None)) from e
+
+
+async def merge_outputs(
+    ctx: ServingContext, choices: list[ChoiceRequest]
+) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+    """Runs every choice's engine stream; yields what is ready, in choice-index order.
+
+    Leaving early (client disconnect) cancels the pumps, which aborts the engine requests.
+    """
+    ready: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: ChoiceRequest) -> None:
+        try:
+            stream = ctx.engine.generate(choice.request_id, choice.prompt_ids, choice.params)
+            async for out in stream:
+                ready.put_nowait((choice.index, out))
+        except Exception as e:  # noqa: BLE001 - the consumer re-raises it in the request task
+            ready.put_nowait((choice.index, e))
+        ready.put_nowait((choice.index, _DONE))
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    num_open = len(tasks)
+    try:
+        while num_open:
+            batch = [await ready.get()]
+            while not ready.empty():
+                batch.append(ready.get_nowait())
+            outputs = []
+            for index, item in batch:
+                if item is _DONE:
+                    num_open -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    outputs.append((index, item))
+            if outputs:
+                outputs.sort(key=lambda x: x[0])
+                yield outputs
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def engine_error(e: Exception) -> APIError:
+    if isinstance(e, (QueueFullError, EngineDeadError)):
+        return APIError(503, str(e), "ServiceUnavailableError")
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    return APIError(500, f"internal error: {e!r}", "InternalServerError")
+
+
+def make_usage(
+    prompts: list[list[int]], choices: list[ChoiceRequest], states: list[ChoiceState]
+) -> UsageInfo:
+    """Each prompt counts once however many choices share it; cached from its first choice."""
+    num_prompt = sum(len(p) for p in prompts)
+    num_completion = sum(s.num_tokens for s in states)
+    first = {}
+    for c in choices:
+        first.setdefault(c.prompt_idx, states[c.index].num_cached_tokens)
+    return UsageInfo(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_completion,
+        total_tokens=num_prompt + num_completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(first.values())),
+    )
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
