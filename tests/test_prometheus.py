@@ -389,8 +389,10 @@ def _check_histogram(name: str, samples) -> None:
 
 
 # ---- structured logs and request ids -----------------------------------------------------------
+# Engine request ids are "<response id>-<8 hex, unique per HTTP request>-<choice index>".
 LOG_LINE = re.compile(
-    r"request finished request_id=(?P<id>\S+) finish_reason=(?P<reason>\w+) "
+    r"request finished request_id=(?P<id>\S+)-[0-9a-f]{8}-(?P<choice>\d+) "
+    r"finish_reason=(?P<reason>\w+) "
     r"prompt_tokens=(?P<prompt>\d+) generation_tokens=(?P<gen>\d+) ttft_s=(?P<ttft>[\d.]+) "
     r"e2e_s=(?P<e2e>[\d.]+) queue_s=[\d.]+ preemptions=\d+"
 )
@@ -398,8 +400,8 @@ LOG_LINE = re.compile(
 
 def test_one_log_line_per_finished_request_and_per_preemption(loaded_server):
     results = run_load(loaded_server.url, min_seconds=0, max_waves=1, concurrency=4)
-    log = _wait_for_log(loaded_server, f"request_id={results[-1].json()['id']} ")
-    _wait_for_log(loaded_server, f"request_id={results[0].json()['id']} ")
+    log = _wait_for_log(loaded_server, f"request_id={results[-1].json()['id']}-")
+    _wait_for_log(loaded_server, f"request_id={results[0].json()['id']}-")
     lines = {m["id"]: m for m in LOG_LINE.finditer(loaded_server.log_path.read_text())}
     for r in results:
         body = r.json()
@@ -416,9 +418,8 @@ def test_request_id_header_is_honoured_and_matches_body_and_log(loaded_server):
     r = results[0]
     assert r.headers["x-request-id"] == "trace-42"
     assert r.json()["id"] == "cmpl-trace-42"
-    assert "request finished request_id=cmpl-trace-42 " in _wait_for_log(
-        loaded_server, "cmpl-trace-42"
-    )
+    log = _wait_for_log(loaded_server, "request_id=cmpl-trace-42-")
+    assert [m["id"] for m in LOG_LINE.finditer(log) if "trace-42" in m["id"]] == ["cmpl-trace-42"]
 
 
 def test_request_id_is_minted_when_absent_or_invalid(loaded_server):

@@ -89,3 +89,23 @@ def test_metrics_after_traffic(client, tiny_server):
 
 def test_health(tiny_server):
     assert httpx.get(tiny_server.url + "/health").status_code == 200
+
+
+def test_reused_x_request_id_serves_both_requests(tiny_server):
+    """A client-chosen id names the response, but never collides inside the engine."""
+    import concurrent.futures
+
+    body = {"model": "tiny", "prompt": "same id", "max_tokens": 8, "ignore_eos": True}
+    headers = {"X-Request-Id": "client-chosen-id"}
+
+    def call():
+        return httpx.post(
+            tiny_server.url + "/v1/completions", json=body, headers=headers, timeout=120
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        responses = list(pool.map(lambda _: call(), range(2)))
+    assert [r.status_code for r in responses] == [200, 200]
+    assert {r.json()["id"] for r in responses} == {"cmpl-client-chosen-id"}
+    assert all(r.headers["x-request-id"] == "client-chosen-id" for r in responses)
+    assert httpx.get(tiny_server.url + "/health").status_code == 200
