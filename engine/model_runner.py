@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.backend = get_attention_backend(config.attention_backend, self.device.type)
+        if self.device.type == "cpu":
+            _set_cpu_threads()
         torch.manual_seed(config.seed)
         self.model = load_model(model_dir, hf_config, self.backend, self.dtype, self.device)
         attn = self.model.model.layers[0].self_attn
@@ -179,6 +182,12 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
         self.block_tables.release(request_id)
+
+
+def _set_cpu_threads() -> None:
+    """One intra-op thread per core this process may run on (taskset/cgroups), unless set."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
 
 
 def _gather_token_ids(out: SchedulerOutput) -> list[int]:
