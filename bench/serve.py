@@ -1,0 +1,283 @@
+"""Async load generator for any OpenAI-compatible server (streamed /v1/completions).
+
+Fixed-seed workloads, prompts sent as token-id lists so every server sees the same tokens:
+  std     64 requests, 256 random prompt tokens, 128 output tokens, <= 32 in flight
+  prefix  64 requests sharing a 512-token prefix + 128 random tokens, 64 output tokens, <= 32
+  mixed   ShareGPT-like long-tail lengths (log-normal), Poisson arrivals at a fixed rate
+
+Every request asks for ignore_eos and greedy decoding, and must come back with exactly the
+asked number of tokens (from the stream's usage chunk); anything else counts as a failure.
+
+  python bench/serve.py --base-url http://127.0.0.1:8000 --workload std --out std.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+WORKLOADS = ("std", "prefix", "mixed")
+_MIN_TOKEN_ID = 100  # keeps clear of the special tokens at the start of the vocabulary
+
+
+@dataclass
+class BenchRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_offset: float = 0.0  # seconds after start; 0 for closed-loop workloads
+
+
+@dataclass
+class Workload:
+    name: str
+    requests: list[BenchRequest]
+    max_concurrency: int | None
+    request_rate: float  # requests/s; inf sends as fast as max_concurrency allows
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    num_output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+# ---- workloads -------------------------------------------------------------------------------
+def _random_ids(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
+    return rng.integers(_MIN_TOKEN_ID, vocab_size, size=n).tolist()
+
+
+def build_workload(
+    name: str,
+    vocab_size: int,
+    seed: int = 0,
+    num_requests: int | None = None,
+    max_concurrency: int | None = None,
+    request_rate: float | None = None,
+    max_model_len: int = 2048,
+) -> Workload:
+    rng = np.random.default_rng(seed)
+    if name == "std":
+        n = num_requests or 64
+        reqs = [BenchRequest(_random_ids(rng, 256, vocab_size), 128) for _ in range(n)]
+        return Workload(name, reqs, max_concurrency or 32, request_rate or math.inf)
+    if name == "prefix":
+        n = num_requests or 64
+        prefix = _random_ids(rng, 512, vocab_size)
+        reqs = [BenchRequest(prefix + _random_ids(rng, 128, vocab_size), 64) for _ in range(n)]
+        return Workload(name, reqs, max_concurrency or 32, request_rate or math.inf)
+    if name == "mixed":
+        return _mixed_workload(
+            rng, vocab_size, num_requests or 64, request_rate or 4.0, max_concurrency, max_model_len
+        )
+    raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
+
+
+def _mixed_workload(rng, vocab_size, n, rate, max_concurrency, max_model_len) -> Workload:
+    """Log-normal prompt/output lengths (ShareGPT-like long tail), Poisson arrivals."""
+    prompt_lens = np.clip(rng.lognormal(np.log(180), 0.9, n), 8, 1024).astype(int)
+    output_lens = np.clip(rng.lognormal(np.log(120), 0.8, n), 4, 512).astype(int)
+    output_lens = np.minimum(output_lens, max_model_len - prompt_lens)
+    gaps = rng.exponential(1.0 / rate, n)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    reqs = [
+        BenchRequest(_random_ids(rng, int(p), vocab_size), int(o), float(a))
+        for p, o, a in zip(prompt_lens, output_lens, arrivals)
+    ]
+    return Workload("mixed", reqs, max_concurrency, rate)
+
+
+# ---- one request -----------------------------------------------------------------------------
+async def send_request(
+    client: httpx.AsyncClient, url: str, model: str, req: BenchRequest
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": req.prompt_token_ids,
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    chunk_times: list[float] = []
+    usage_tokens = None
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")[:200]
+                return RequestResult(ok=False, error=f"HTTP {resp.status_code}: {text}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[5:])
+                if "error" in data:
+                    return RequestResult(ok=False, error=str(data["error"])[:200])
+                if data.get("choices"):
+                    chunk_times.append(time.perf_counter())
+                if data.get("usage"):
+                    usage_tokens = data["usage"]["completion_tokens"]
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        return RequestResult(ok=False, error=f"{type(e).__name__}: {e}"[:200])
+    return _finish_result(req, start, chunk_times, usage_tokens)
+
+
+def _finish_result(req, start, chunk_times, usage_tokens) -> RequestResult:
+    if not chunk_times:
+        return RequestResult(ok=False, error="no tokens streamed")
+    n = usage_tokens if usage_tokens is not None else len(chunk_times)
+    result = RequestResult(
+        ok=n == req.max_tokens,
+        num_output_tokens=n,
+        ttft=chunk_times[0] - start,
+        latency=chunk_times[-1] - start,
+        itls=np.diff(chunk_times).tolist(),
+    )
+    if not result.ok:
+        result.error = f"expected {req.max_tokens} tokens, got {n}"
+    return result
+
+
+# ---- the run ---------------------------------------------------------------------------------
+async def run_workload(base_url: str, model: str, wl: Workload) -> tuple[list, float]:
+    url = base_url.rstrip("/") + "/v1/completions"
+    limit = wl.max_concurrency or len(wl.requests)
+    sem = asyncio.Semaphore(limit)
+    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(req: BenchRequest) -> RequestResult:
+            delay = req.arrival_offset - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with sem:
+                return await send_request(client, url, model, req)
+
+        results = await asyncio.gather(*(one(r) for r in wl.requests))
+        duration = time.perf_counter() - start
+    return results, duration
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
+    a = np.asarray(values) * 1000.0  # milliseconds
+    return {
+        "mean": float(a.mean()),
+        "median": float(np.median(a)),
+        "p90": float(np.percentile(a, 90)),
+        "p99": float(np.percentile(a, 99)),
+    }
+
+
+def summarize(label: str, wl: Workload, results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.num_output_tokens for r in ok)
+    in_tokens = sum(len(q.prompt_token_ids) for q, r in zip(wl.requests, results) if r.ok)
+    errors = sorted({r.error for r in results if not r.ok})
+    return {
+        "label": label,
+        "workload": wl.name,
+        "num_requests": len(results),
+        "num_completed": len(ok),
+        "num_failed": len(results) - len(ok),
+        "errors": errors[:5],
+        "max_concurrency": wl.max_concurrency,
+        "request_rate": None if math.isinf(wl.request_rate) else wl.request_rate,
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "output_throughput": out_tokens / duration,
+        "request_throughput": len(ok) / duration,
+        "ttft_ms": _percentiles([r.ttft for r in ok]),
+        "itl_ms": _percentiles([x for r in ok for x in r.itls]),
+        "e2el_ms": _percentiles([r.latency for r in ok]),
+    }
+
+
+def print_summary(s: dict) -> None:
+    print(
+        f"[{s['label']}/{s['workload']}] {s['num_completed']}/{s['num_requests']} ok "
+        f"({s['num_failed']} failed) in {s['duration_s']:.1f}s: "
+        f"{s['output_throughput']:.1f} out tok/s, {s['request_throughput']:.2f} req/s, "
+        f"TTFT median {s['ttft_ms']['median']:.0f} ms p90 {s['ttft_ms']['p90']:.0f} "
+        f"p99 {s['ttft_ms']['p99']:.0f}, ITL median {s['itl_ms']['median']:.1f} ms "
+        f"p90 {s['itl_ms']['p90']:.1f} p99 {s['itl_ms']['p99']:.1f}"
+    )
+    for e in s["errors"]:
+        print(f"  error: {e}")
+
+
+def _vocab_size(model_dir: str | None) -> int:
+    if model_dir is None:
+        from engine.model_loader import resolve_model
+
+        model_dir = str(resolve_model(None))
+    return json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+
+
+async def _served_model(base_url: str) -> str:
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        resp = await client.get(base_url.rstrip("/") + "/v1/models")
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+
+
+async def _warmup(base_url: str, model: str, vocab_size: int) -> None:
+    wl = Workload("warmup", [BenchRequest(list(range(200, 264)), 8)] * 2, 2, math.inf)
+    await run_workload(base_url, model, wl)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", help="served model name; default: the first of /v1/models")
+    p.add_argument("--model-dir", help="HF folder for vocab_size; default: pagedserve's default")
+    p.add_argument("--workload", choices=WORKLOADS, default="std")
+    p.add_argument("--num-requests", type=int)
+    p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--request-rate", type=float, help="requests/s (mixed: default 4)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--label", default="server")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--out", help="write the summary JSON here")
+    args = p.parse_args(argv)
+
+    vocab = _vocab_size(args.model_dir)
+    wl = build_workload(
+        args.workload,
+        vocab,
+        args.seed,
+        args.num_requests,
+        args.max_concurrency,
+        args.request_rate,
+        args.max_model_len,
+    )
+    model = args.model or asyncio.run(_served_model(args.base_url))
+    if not args.no_warmup:
+        asyncio.run(_warmup(args.base_url, model, vocab))
+    results, duration = asyncio.run(run_workload(args.base_url, model, wl))
+    summary = summarize(args.label, wl, results, duration)
+    print_summary(summary)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Persistent block-table rows of the model runner: incremental copy, preemption, reuse."""
+
+from __future__ import annotations
+
+from conftest import make_request
+
+from engine.model_runner import BlockTables
+from engine.scheduler import SchedulerOutput
+
+
+def _out(reqs, block_lists) -> SchedulerOutput:
+    return SchedulerOutput(
+        requests=reqs,
+        num_scheduled_tokens=[1] * len(reqs),
+        num_computed_tokens=[0] * len(reqs),
+        block_ids=block_lists,
+    )
+
+
+def test_rows_grow_incrementally_and_follow_batch_order():
+    tables = BlockTables(max_blocks_per_seq=8, num_rows=2)
+    a, b = make_request("a", 4), make_request("b", 4)
+    a_ids, b_ids = [3], [5, 6]
+    rows = tables.update(_out([a, b], [a_ids, b_ids]))
+    a_ids.append(9)  # the scheduler's list only grows
+    rows2 = tables.update(_out([b, a], [b_ids, a_ids]))
+    assert rows2.tolist() == [rows[1], rows[0]]
+    assert tables.table[rows[0], :2].tolist() == [3, 9]
+    assert tables.table[rows[1], :2].tolist() == [5, 6]
+
+
+def test_new_list_after_preemption_rewrites_the_row():
+    tables = BlockTables(max_blocks_per_seq=4, num_rows=1)
+    a = make_request("a", 4)
+    row = tables.update(_out([a], [[1, 2, 3]]))[0]
+    assert tables.update(_out([a], [[7]]))[0] == row  # same request keeps its row
+    assert tables.table[row, 0] == 7
+
+
+def test_released_rows_are_reused_and_table_grows_when_full():
+    tables = BlockTables(max_blocks_per_seq=2, num_rows=1)
+    a, b, c = make_request("a", 2), make_request("b", 2), make_request("c", 2)
+    ra, rb = tables.update(_out([a, b], [[1], [2]])).tolist()
+    assert tables.table.shape[0] == 2 and ra != rb
+    tables.release("a")
+    assert tables.update(_out([c], [[4]]))[0] == ra
+    assert tables.table[ra, 0] == 4
