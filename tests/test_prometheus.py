@@ -104,6 +104,8 @@ def loaded_server(tiny_model_dir):
         "--max-num-seqs",
         str(MAX_NUM_SEQS),
         "--enable-prefix-caching",
+        # Slow every step so queue states outlast several 250 ms scrapes on a fast machine too.
+        env={"PAGEDSERVE_FAULT_INJECT": "step_delay_ms:40"},
     ).wait_ready()
     yield server
     server.stop()
