@@ -48,12 +48,18 @@ def _health_until_ready(server: ServerProcess, timeout: float = 300.0) -> list[i
 def servers(tiny_model_dir):
     crash = {"PAGEDSERVE_FAULT_INJECT": "crash_after_steps:15"}
     stall = {"PAGEDSERVE_FAULT_INJECT": "stall_after_steps:15"}
+    # A floor under every step, so streams that tests race against (drain, shutdown, queue
+    # holders) outlast those races on a fast idle machine as well as on a loaded one.
+    paced = {"PAGEDSERVE_FAULT_INJECT": "step_delay_ms:5"}
     procs = {
-        "roomy": _spawn(tiny_model_dir, "--max-model-len", "1024", "--shutdown-timeout", "120"),
+        "roomy": _spawn(
+            tiny_model_dir, "--max-model-len", "1024", "--shutdown-timeout", "120", env=paced
+        ),
         "tight": _spawn(tiny_model_dir, "--max-model-len", "64", "--num-gpu-blocks-override", "16"),
         "overload": _spawn(
             tiny_model_dir,
             *("--max-num-seqs", "1", "--max-num-queued-reqs", "3", "--shutdown-timeout", "2"),
+            env=paced,
         ),
         "crash": _spawn(tiny_model_dir, env=crash),
         "stall": _spawn(tiny_model_dir, "--engine-stall-timeout", "3", env=stall),
@@ -165,15 +171,20 @@ def test_overload_gets_503_with_retry_after_then_recovers(servers):
 
     async def scenario():
         body = {"prompt": "hold the line", "stream": True, **LONG}
-        holders = [asyncio.create_task(_post_and_give_up(server.port, body, 120)) for _ in range(4)]
+        holders = []
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
             deadline = time.monotonic() + 60
-            while True:  # one running + Q waiting
-                text = (await client.get("/metrics")).text
-                if metric_value(text, "pagedserve:num_requests_waiting") == 3:
-                    break
-                assert time.monotonic() < deadline, text
-                await asyncio.sleep(0.1)
+            # One at a time: arrivals faster than the engine admits them would each see the
+            # queue as full already. Ends with one running + Q waiting.
+            for held in range(1, 5):
+                holders.append(asyncio.create_task(_post_and_give_up(server.port, body, 120)))
+                while True:
+                    text = (await client.get("/metrics")).text
+                    running = metric_value(text, "pagedserve:num_requests_running")
+                    if running + metric_value(text, "pagedserve:num_requests_waiting") == held:
+                        break
+                    assert time.monotonic() < deadline, text
+                    await asyncio.sleep(0.05)
             t0 = time.monotonic()
             r = await client.post("/v1/completions", json={"prompt": "one more", "max_tokens": 2})
             elapsed = time.monotonic() - t0
@@ -245,7 +256,7 @@ def test_sigterm_lets_streams_finish_refuses_new_ones_and_exits_0(servers):
             started = asyncio.Event()
 
             async def stream(i: int):
-                body = {"prompt": f"drain {i}", "stream": True, **LONG, "max_tokens": 40}
+                body = {"prompt": f"drain {i}", "stream": True, **LONG, "max_tokens": 200}
                 async with client.stream("POST", "/v1/completions", json=body) as r:
                     lines = []
                     async for line in r.aiter_lines():
