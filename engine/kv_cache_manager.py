@@ -73,7 +73,8 @@ class KVCacheManager:
 
         The blocks are not yet held: pass them to allocate_slots, which touches them.
         """
-        if not self.enable_caching:
+        # A hit skips prompt rows, and prompt logprobs need every prompt position computed.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -40,8 +40,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.runner.num_blocks)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.request_states: dict[str, RequestState] = {}
-        self._skip_prefix_cache_for_prompt_logprobs()
         self.last_token_time: dict[str, float] = {}
+        self.aborted_metrics: list[RequestMetrics] = []  # reported with the next stats
         logger.info(
             "engine ready: model=%s dtype=%s device=%s backend=%s blocks=%d x %d tokens "
             "max_model_len=%d",
@@ -63,22 +63,6 @@ class LLMEngine:
                 f"max_model_len {config.max_model_len} exceeds the model's limit {model_max}"
             )
         return config.max_model_len
-
-    def _skip_prefix_cache_for_prompt_logprobs(self) -> None:
-        """A prefix hit would skip prompt rows, and every prompt position needs a logprob.
-
-        vLLM makes this check inside get_computed_blocks; it wraps it here so the KV cache
-        manager stays free of sampling concerns.
-        """
-        kv = self.scheduler.kv_cache_manager
-        lookup = kv.get_computed_blocks
-
-        def get_computed_blocks(request: Request):
-            if request.sampling_params.prompt_logprobs is not None:
-                return [], 0
-            return lookup(request)
-
-        kv.get_computed_blocks = get_computed_blocks
 
     @property
     def vocab_size(self) -> int:
@@ -114,7 +98,9 @@ class LLMEngine:
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return [self._make_output(req, [], "", time.monotonic()) for req in finished]
+        outputs = [self._make_output(req, [], "", time.monotonic()) for req in finished]
+        self.aborted_metrics.extend(out.metrics for out in outputs)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -216,7 +202,10 @@ class LLMEngine:
             max(0, min(c + n, r.num_prompt_tokens) - c)
             for r, n, c in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)
         )
+        aborted, self.aborted_metrics = self.aborted_metrics, []
         return StepStats(
+            finished=aborted,
+            finished_reasons=["abort"] * len(aborted),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_scheduled_tokens=out.total_num_scheduled_tokens,

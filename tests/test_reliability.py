@@ -119,7 +119,9 @@ def test_disconnect_storm_frees_every_block(servers):
         bodies = [{"prompt": f"request {i} " * 4, "stream": i % 2 == 0, **LONG} for i in range(100)]
         return await asyncio.gather(*(_post_and_give_up(server.port, b, 0.5) for b in bodies))
 
+    aborted = ("pagedserve:request_success_total", {"finished_reason": "abort"})
     before = metric_value(_metrics(server.url), "pagedserve:generation_tokens_total")
+    aborted_before = metric_value(_metrics(server.url), *aborted)
     asyncio.run(storm())
     t0 = time.monotonic()
     resp = httpx.post(
@@ -132,6 +134,8 @@ def test_disconnect_storm_frees_every_block(servers):
     wait_idle(server.url, timeout=30)
     generated = metric_value(_metrics(server.url), "pagedserve:generation_tokens_total") - before
     assert 0 < generated < 100 * LONG["max_tokens"] / 2  # they ran, and they stopped early
+    # Every abandoned request is counted as aborted (the short one finished by length).
+    assert metric_value(_metrics(server.url), *aborted) - aborted_before == 100
 
 
 # ---- preemption ---------------------------------------------------------------------------------
