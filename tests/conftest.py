@@ -405,3 +405,23 @@ def openai_schema_validator(component: str, allow_null: tuple[str, ...] = ()):
         props[name] = {"anyOf": [props[name], {"type": "null"}]}
     schema["components"] = {"schemas": components}
     return jsonschema.Draft202012Validator(schema)
+
+
+# ---- OpenAI clients on the shared servers (tests/test_openai_*.py) ---------------------------
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    import openai
+
+    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def cycle(cycle_server):
+    import openai
+
+    return openai.OpenAI(base_url=cycle_server.url + "/v1", api_key="x", max_retries=0)
+
+
+def wire(obj) -> dict:
+    """An openai-client object as it came over the wire, for schema validation."""
+    return obj.model_dump(mode="json", exclude_unset=True)

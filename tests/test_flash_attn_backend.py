@@ -13,11 +13,10 @@ import fake_flash_attn
 import pytest
 import torch
 from conftest import make_prompts
-from test_kernels import decode_meta, make_paged_batch
+from test_kernels import decode_meta, make_paged_batch, ragged_meta
 
 from engine import LLM, SamplingParams
 from kernels import default_block_size, get_attention_backend, resolve_backend_name
-from kernels.backend import AttentionMetadata
 from kernels.reference import paged_attention
 
 
@@ -27,22 +26,6 @@ def fake_fa(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # None: import fails (no FA3)
     fake_flash_attn.calls.clear()
     return fake_flash_attn
-
-
-def _ragged_meta(block_table, query_lens, seq_lens) -> AttentionMetadata:
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    return AttentionMetadata(
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=block_table,
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=list(seq_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
 
 
 def test_explicit_flash_attn_on_cpu_uses_the_module(fake_fa):
@@ -70,7 +53,7 @@ def test_prefill_chunk_and_prefix_hit_call_varlen(fake_fa):
     query_lens, seq_lens = [7, 5, 1], [7, 305, 260]
     k_cache, v_cache, block_table = make_paged_batch(256, 2, 64, seq_lens, torch.float32, "cpu")
     k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
-    meta = _ragged_meta(block_table, query_lens, seq_lens)
+    meta = ragged_meta(block_table, query_lens, seq_lens)
     q = torch.randn(sum(query_lens), 4, 64)
     backend = get_attention_backend("flash_attn", "cpu", block_size=256)
     got = backend.forward(q, k_cache, v_cache, meta, 0.125)

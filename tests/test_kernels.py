@@ -163,7 +163,7 @@ def test_batched_torch_decode_matches_per_sequence(case):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def _mixed_meta(block_table, query_lens, seq_lens) -> AttentionMetadata:
+def ragged_meta(block_table, query_lens, seq_lens) -> AttentionMetadata:
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
@@ -184,7 +184,7 @@ def test_mixed_batch_decode_rows_batched_match_per_sequence():
     query_lens, seq_lens = [1, 7, 1, 4, 1], [5, 20, 17, 4, 33]
     k_cache, v_cache, block_table = make_paged_batch(8, 2, 64, seq_lens, torch.float32, "cpu")
     k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
-    meta = _mixed_meta(block_table, query_lens, seq_lens)
+    meta = ragged_meta(block_table, query_lens, seq_lens)
     q = torch.randn(sum(query_lens), 6, 64)
     got = get_attention_backend("torch", "cpu").forward(q, k_cache, v_cache, meta, 0.125)
     want = paged_attention(q, k_cache, v_cache, meta, 0.125)
@@ -205,7 +205,7 @@ def test_torch_backend_batches_decode_rows(monkeypatch):
     backend.forward(
         torch.randn(3, 2, 64), k_cache, v_cache, decode_meta(block_table, [5, 9, 3], "cpu"), 0.1
     )
-    mixed = _mixed_meta(block_table, [1, 2, 1], [5, 9, 3])
+    mixed = ragged_meta(block_table, [1, 2, 1], [5, 9, 3])
     backend.forward(torch.randn(4, 2, 64), k_cache, v_cache, mixed, 0.1)
     assert seen == [3, 2]  # all three decodes, then the two decodes of the mixed batch
 

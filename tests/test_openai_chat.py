@@ -5,26 +5,10 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
-import pytest
-from conftest import CYCLE_TEXT, openai_schema_validator
+from conftest import CYCLE_TEXT, openai_schema_validator, wire
 
 CYCLE = CYCLE_TEXT  # the cycle model enters its cycle after the template's final "\n"
 MESSAGES = [{"role": "user", "content": "Say something"}]
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def cycle(cycle_server):
-    return openai.OpenAI(base_url=cycle_server.url + "/v1", api_key="x", max_retries=0)
-
-
-def wire(obj) -> dict:
-    return obj.model_dump(mode="json", exclude_unset=True)
 
 
 def chat(client, model="tiny", messages=MESSAGES, **kw):

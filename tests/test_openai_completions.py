@@ -12,25 +12,10 @@ import json
 import time
 
 import httpx
-import openai
 import pytest
-from conftest import CYCLE_TEXT, metric_value, openai_schema_validator
+from conftest import CYCLE_TEXT, metric_value, openai_schema_validator, wire
 
 CYCLE = CYCLE_TEXT[1:] + CYCLE_TEXT[0]  # what the cycle model writes after "a"
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def cycle(cycle_server):
-    return openai.OpenAI(base_url=cycle_server.url + "/v1", api_key="x", max_retries=0)
-
-
-def wire(obj) -> dict:
-    return obj.model_dump(mode="json", exclude_unset=True)
 
 
 def complete(client, prompt="Hello there", **kw):
