@@ -20,6 +20,8 @@ from engine.outputs import ModelRunnerOutput
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from kernels import AttentionMetadata, get_attention_backend
+from kernels.cpu_linear import can_pack, pack_linears
+from kernels.cpu_ops import load_cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +47,12 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
 
 
 def load_model(model_dir: Path, hf_config, backend, dtype, device) -> LlamaForCausalLM:
+    """Weights in; on CPU the fused kernels (when they build) and packed bf16 linears."""
     archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
     if archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {archs[0]} is not supported ({SUPPORTED_ARCHITECTURES})")
-    model = LlamaForCausalLM(hf_config, backend)
+    ops = load_cpu_ops() if device.type == "cpu" else None
+    model = LlamaForCausalLM(hf_config, backend, ops)
     state: dict[str, torch.Tensor] = {}
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -60,7 +64,10 @@ def load_model(model_dir: Path, hf_config, backend, dtype, device) -> LlamaForCa
         raise ValueError(
             f"weights do not match the model: missing={missing} unexpected={unexpected}"
         )
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if can_pack(device, dtype):
+        pack_linears(model, ops)
+    return model
 
 
 class ModelRunner:

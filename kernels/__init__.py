@@ -65,6 +65,10 @@ def get_attention_backend(
         return _build_triton(device)
     from kernels.reference import TorchAttentionBackend
 
+    if device == "cpu":
+        from kernels.cpu_ops import load_cpu_ops
+
+        return TorchAttentionBackend(load_cpu_ops())
     return TorchAttentionBackend()
 
 

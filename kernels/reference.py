@@ -56,13 +56,16 @@ def attend_one(query, k_cache, v_cache, meta: AttentionMetadata, i: int, start: 
     q = query[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
     k = gather_kv(k_cache, meta.block_table[i], kv_len).transpose(0, 1)  # [Hkv, L, D]
     v = gather_kv(v_cache, meta.block_table[i], kv_len).transpose(0, 1)
-    mask = None if q_len == 1 else bottom_right_causal_mask(q_len, kv_len, q.device)
+    # A whole prompt (q_len == kv_len) is plain causal: no mask tensor, blocks above skipped.
+    fresh = q_len == kv_len and q_len > 1
+    mask = None if q_len == 1 or fresh else bottom_right_causal_mask(q_len, kv_len, q.device)
     o = F.scaled_dot_product_attention(
         q.unsqueeze(0),
         k.unsqueeze(0),
         v.unsqueeze(0),
         attn_mask=mask,
         scale=scale,
+        is_causal=fresh,
         enable_gqa=True,
     )
     out[start : start + q_len] = o[0].transpose(0, 1)
@@ -74,17 +77,22 @@ def paged_attention_mixed(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    decode=None,
 ) -> torch.Tensor:
-    """Decoding sequences (one query each) batched together, the others one at a time."""
-    decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
-    if len(decode) < 2:
+    """Decoding sequences (one query each) batched together, the others one at a time.
+
+    decode: the batched decode function (paged_decode_attention's signature).
+    """
+    decode = decode or paged_decode_attention
+    decoding = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+    if len(decoding) < 2:
         return paged_attention(query, k_cache, v_cache, meta, scale)
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
-    seq_idx = torch.tensor(decode, device=query.device)
-    rows = torch.tensor([starts[i] for i in decode], device=query.device)
-    max_seq_len = max(meta.seq_lens_cpu[i] for i in decode)
-    out[rows] = paged_decode_attention(
+    seq_idx = torch.tensor(decoding, device=query.device)
+    rows = torch.tensor([starts[i] for i in decoding], device=query.device)
+    max_seq_len = max(meta.seq_lens_cpu[i] for i in decoding)
+    out[rows] = decode(
         query[rows],
         k_cache,
         v_cache,
@@ -93,7 +101,7 @@ def paged_attention_mixed(
         max_seq_len,
         scale,
     )
-    for i in set(range(meta.num_seqs)) - set(decode):
+    for i in set(range(meta.num_seqs)) - set(decoding):
         attend_one(query, k_cache, v_cache, meta, i, starts[i], scale, out)
     return out
 
@@ -127,16 +135,32 @@ def paged_decode_attention(
 
 
 class TorchAttentionBackend:
-    """The reference; decoding sequences take the batched path (what CPU serving runs)."""
+    """The reference; decoding sequences take the batched path (what CPU serving runs).
+
+    ops: the fused CPU kernels (kernels.cpu_ops); their paged decode kernel then replaces the
+    gather + SDPA of paged_decode_attention.
+    """
 
     name = "torch"
+
+    def __init__(self, ops=None) -> None:
+        self.ops = ops
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_by_slot(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if meta.is_decode_only:
-            return paged_decode_attention(
+            return self.decode(
                 query, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.max_seq_len, scale
             )
-        return paged_attention_mixed(query, k_cache, v_cache, meta, scale)
+        return paged_attention_mixed(query, k_cache, v_cache, meta, scale, self.decode)
+
+    def decode(self, query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale):
+        if self.ops is None or query.device.type != "cpu":
+            return paged_decode_attention(
+                query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale
+            )
+        out = query.new_empty(query.shape)
+        self.ops.paged_attention_decode(out, query, k_cache, v_cache, block_table, seq_lens, scale)
+        return out

@@ -192,14 +192,10 @@ def test_mixed_batch_decode_rows_batched_match_per_sequence():
 
 
 def test_torch_backend_batches_decode_rows(monkeypatch):
-    import kernels.reference as ref
-
-    seen = []
-    real = ref.paged_decode_attention
-    monkeypatch.setattr(
-        ref, "paged_decode_attention", lambda q, *a: seen.append(q.shape[0]) or real(q, *a)
-    )
     backend = get_attention_backend("torch", "cpu")
+    seen = []
+    real = backend.decode
+    monkeypatch.setattr(backend, "decode", lambda q, *a: seen.append(q.shape[0]) or real(q, *a))
     k_cache, v_cache, block_table = make_paged_batch(16, 2, 64, [5, 9, 3], torch.float32, "cpu")
     k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
     backend.forward(

@@ -17,12 +17,31 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """norm(x), or with a residual: residual = x + residual, then norm(residual).
+
+    The fused CPU kernel (ops) writes both in place in one pass; the torch ops are the oracle.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, ops=None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.ops is not None:
+            if residual is None:
+                out = torch.empty_like(x)
+                self.ops.rms_norm(out, x, self.weight, self.eps)
+                return out
+            self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -44,6 +63,16 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]  # [T, 1, D]
 
+    def cos_sin_cache(self, max_len: int, dtype: torch.dtype) -> torch.Tensor:
+        """[>= max_len, D] = cos | sin of the half-dim frequencies, as forward() rounds them."""
+        cache = getattr(self, "_cache", None)
+        if cache is None or cache.shape[0] < max_len or cache.dtype != dtype:
+            n = max(max_len, 2 * (0 if cache is None else cache.shape[0]), 256)
+            freqs = torch.arange(n, device=self.inv_freq.device).float()[:, None] * self.inv_freq
+            cache = torch.cat((freqs.cos().to(dtype), freqs.sin().to(dtype)), dim=-1)
+            self._cache = cache
+        return cache
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -55,8 +84,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, ops=None) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
@@ -69,14 +99,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         self.backend = backend
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+    def forward(self, x, rope, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 * Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.ops is not None:  # rope = (positions, cos|sin cache): rotated in place
+            self.ops.rotary_embedding(rope[0], q, k, rope[1])
+        else:  # rope = (cos, sin) per token
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = self.backend.forward(q, k_cache, v_cache, meta, self.scale)
@@ -84,8 +117,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, ops=None) -> None:
         super().__init__()
+        self.ops = ops
         bias = getattr(cfg, "mlp_bias", False)
         self.intermediate_size = cfg.intermediate_size
         # gate and up in one GEMM (loaded from HF's gate_proj/up_proj, see load_weights).
@@ -93,39 +127,53 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.ops is not None:
+            h = gate_up.new_empty(x.shape[0], self.intermediate_size)
+            self.ops.silu_and_mul(h, gate_up)
+            return self.down_proj(h)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, ops=None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, backend, ops)
+        self.mlp = LlamaMLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, x, cos, sin, meta, kv_cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, meta, kv_cache):
+        """x: the previous layer's MLP output, residual: the stream before it (None at first)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, meta, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, ops=None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, backend, ops) for _ in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    """ops: the fused CPU kernels (kernels.cpu_ops), or None for plain torch ops."""
+
+    def __init__(self, cfg, backend: AttentionBackend, ops=None) -> None:
         super().__init__()
         _check_rope_scaling(cfg)
         self.config = cfg
-        self.model = LlamaModel(cfg, backend)
+        self.ops = ops
+        self.model = LlamaModel(cfg, backend, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if getattr(cfg, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -142,10 +190,14 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
     ) -> torch.Tensor:  # hidden states [T, hidden]
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        if self.ops is not None:
+            rope = (positions, self.rotary.cos_sin_cache(meta.max_seq_len, x.dtype))
+        else:
+            rope = self.rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, meta, kv_cache)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, meta, kv_cache)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         return self.lm_head(hidden).float()

@@ -1,0 +1,75 @@
+"""bf16 linears on CPU with weights packed once at load.
+
+torch's F.linear repacks the weight on every call; a pre-packed weight skips that. Prefill-sized
+calls go to oneDNN with a weight packed for many rows. Decode-sized calls (up to 32 rows) go to
+our AMX kernel (kernels/csrc/cpu_ops.cpp, amx_linear) where the CPU has AMX, which streams the
+weight once at close to memory speed; otherwise to oneDNN with a packing tuned for few rows.
+Same math as F.linear: bf16 inputs, float32 accumulation, one rounding to bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+DECODE_ROWS = 32  # packing hint for decode-sized batches
+PREFILL_ROWS = 2048  # packing hint for prefill chunks
+SMALL_MAX_ROWS = 96  # row counts up to this use oneDNN's decode packing
+AMX_MAX_ROWS = 32  # row counts up to this use the AMX kernel, where it runs
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, ops=None) -> None:
+        super().__init__()
+        w = linear.weight.detach()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.large = torch.ops.mkldnn._reorder_linear_weight(w, PREFILL_ROWS)
+        self.ops = ops if _amx_fits(ops, w) else None
+        if self.ops is not None:
+            self.amx = self.ops.amx_pack_weight(w)
+        else:
+            self.small = torch.ops.mkldnn._reorder_linear_weight(w, DECODE_ROWS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
+        rows = x.shape[0]
+        if self.ops is not None and rows <= AMX_MAX_ROWS and x.stride(-1) == 1:
+            out = x.new_empty(rows, self.out_features)
+            self.ops.amx_linear(out, x, self.amx)
+            return out if self.bias is None else out.add_(self.bias)
+        small = self.ops is None and rows <= SMALL_MAX_ROWS
+        packed = self.small if small else self.large
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def _amx_fits(ops, w: torch.Tensor) -> bool:
+    n, k = w.shape
+    return ops is not None and ops.amx_available() and n % 16 == 0 and k % 32 == 0
+
+
+def pack_linears(model: nn.Module, ops=None) -> int:
+    """Swaps every nn.Linear in model for a PackedLinear; returns how many.
+
+    ops: kernels.cpu_ops (its AMX kernel takes decode-sized calls), or None.
+    """
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+    for parent, name, child in swaps:
+        setattr(parent, name, PackedLinear(child, ops))
+    return len(swaps)

@@ -1,0 +1,688 @@
+// CPU kernels for pagedserve's hot path, one pass over memory each where torch needs several:
+//   rms_norm, fused_add_rms_norm   Llama RMSNorm (Hugging Face's rounding), residual add fused
+//   rotary_embedding                rotate-half RoPE in place on q and k, from a cos|sin cache
+//   silu_and_mul                    SwiGLU: silu(x[:, :I]) * x[:, I:]
+//   paged_attention_decode          one query token per sequence over its paged K/V, GQA-aware
+// Built on first use by kernels/cpu_ops.py (torch.utils.cpp_extension); the torch ops in
+// engine/models/llama.py and kernels/reference.py are the oracle the tests compare against.
+// Float math is float32 throughout; loads and stores convert from/to the tensor dtype.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_f(T x) {
+  return static_cast<float>(x);
+}
+
+template <typename T>
+inline T from_f(float x) {
+  return static_cast<T>(x);
+}
+
+// bf16 -> float is a 16-bit shift; spelled out so the compiler vectorizes it.
+template <>
+inline float to_f<c10::BFloat16>(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// e^x for x <= 88: Cody-Waite reduction to |r| <= ln2/2, then Taylor to r^6 (~1 ulp);
+// branch-free so loops over it vectorize.
+inline float exp_approx(float x) {
+  x = std::fmax(x, -87.0f);
+  x = std::fmin(x, 88.0f);
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define PAGEDSERVE_AVX512 1
+
+// 16 values of T <-> one vector of float32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  // Round to nearest even, as c10::BFloat16 does (NaN inputs do not occur here).
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+template <typename T>
+constexpr bool kVec = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+// exp_approx on 16 lanes.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  __m512 n = _mm512_roundscale_ps(
+      _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#else
+template <typename T>
+constexpr bool kVec = false;
+#endif
+
+template <typename T>
+void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) {
+    float v = to_f(x[i]);
+    ss += v * v;
+  }
+  float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  // Hugging Face: (x * rsqrt(mean(x^2) + eps)).to(dtype), then weight * that in dtype.
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    float normed = to_f(from_f<T>(to_f(x[i]) * r));
+    out[i] = from_f<T>(to_f(w[i]) * normed);
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight: [hidden]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t xs = x.stride(0), os = out.stride(0);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        rms_norm_row(op + r * os, xp + r * xs, wp, n, static_cast<float>(eps));
+    });
+  });
+}
+
+template <typename T>
+void add_rms_norm_row(T* x, T* residual, const T* w, int64_t n, float eps) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) residual[i] = from_f<T>(to_f(x[i]) + to_f(residual[i]));
+  rms_norm_row(x, residual, w, n, eps);
+}
+
+// residual += x (rounded to dtype, as `x + residual` would be), then x = rms_norm(residual).
+void fused_add_rms_norm(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight: [hidden]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm", [&] {
+        scalar_t* xp = x.data_ptr<scalar_t>();
+        scalar_t* rp = residual.data_ptr<scalar_t>();
+        const scalar_t* wp = weight.data_ptr<scalar_t>();
+        const int64_t xs = x.stride(0), rs = residual.stride(0);
+        at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r)
+            add_rms_norm_row(xp + r * xs, rp + r * rs, wp, n, static_cast<float>(eps));
+        });
+      });
+}
+
+// x: [T, heads, D] with contiguous heads; cache: [max_pos, D] = cos (D/2) | sin (D/2).
+template <typename T>
+void rope_heads(T* x, int64_t heads, int64_t d, const T* cs) {
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* v = x + h * d;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      float c = to_f(cs[i]), s = to_f(cs[half + i]);
+      float x1 = to_f(v[i]), x2 = to_f(v[half + i]);
+      v[i] = from_f<T>(x1 * c - x2 * s);
+      v[half + i] = from_f<T>(x2 * c + x1 * s);
+    }
+  }
+}
+
+void rotary_embedding(
+    const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& cos_sin_cache) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [T, H, D]");
+  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && k.stride(1) == k.size(2), "k: [T, Hkv, D]");
+  TORCH_CHECK(cos_sin_cache.is_contiguous() && cos_sin_cache.size(1) == q.size(2), "cache");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == q.scalar_type(), "cache dtype must match q");
+  const int64_t tokens = q.size(0), d = q.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
+        scalar_t* qp = q.data_ptr<scalar_t>();
+        scalar_t* kp = k.data_ptr<scalar_t>();
+        const scalar_t* cp = cos_sin_cache.data_ptr<scalar_t>();
+        const int64_t* pos = positions.data_ptr<int64_t>();
+        const int64_t qs = q.stride(0), ks = k.stride(0), hq = q.size(1), hk = k.size(1);
+        at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+          for (int64_t t = begin; t < end; ++t) {
+            const scalar_t* cs = cp + pos[t] * d;
+            rope_heads(qp + t * qs, hq, d, cs);
+            rope_heads(kp + t * ks, hk, d, cs);
+          }
+        });
+      });
+}
+
+template <typename T>
+void silu_mul_row(T* out, const T* gate, const T* up, int64_t n) {
+  int64_t i = 0;
+#ifdef PAGEDSERVE_AVX512
+  if constexpr (kVec<T>) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= n; i += 16) {
+      __m512 g = load16(gate + i);
+      __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      if constexpr (!std::is_same_v<T, float>) {  // silu rounded to dtype, as torch stores it
+        T tmp[16];
+        store16(tmp, s);
+        s = load16(tmp);
+      }
+      store16(out + i, _mm512_mul_ps(s, load16(up + i)));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    float g = to_f(gate[i]);
+    float s = to_f(from_f<T>(g / (1.0f + exp_approx(-g))));
+    out[i] = from_f<T>(s * to_f(up[i]));
+  }
+}
+
+// out[t, i] = silu(x[t, i]) * x[t, I + i]; silu rounded to dtype first, as torch computes it.
+void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  const int64_t rows = x.size(0), inter = out.size(1);
+  TORCH_CHECK(x.size(1) == 2 * inter, "x must be [T, 2 * I] for out [T, I]");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t xs = x.stride(0), os = out.stride(0);
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        silu_mul_row(op + r * os, xp + r * xs, xp + r * xs + inter, inter);
+    });
+  });
+}
+
+// One (sequence, KV head) pair: the G query heads of that group against the sequence's
+// blocks. Two passes: scores for every key, then a softmax-weighted sum of the values.
+template <typename T>
+void decode_one(
+    T* out, int64_t out_head_stride, const T* q, int64_t q_head_stride, const T* k_cache,
+    const T* v_cache, const int32_t* blocks, int64_t len, int64_t block_size, int64_t kv_heads,
+    int64_t kv_head, int64_t group, int64_t d, float scale, std::vector<float>& buf) {
+  buf.resize(group * (len + 2 * d));
+  float* scores = buf.data();             // [G, len]
+  float* qf = scores + group * len;       // [G, D]
+  float* acc = qf + group * d;            // [G, D]
+  for (int64_t g = 0; g < group; ++g) {
+    const T* qg = q + g * q_head_stride;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_f(qg[i]) * scale;
+  }
+  const int64_t token_stride = kv_heads * d;
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
+    const T* kr = k_cache + slot * token_stride + kv_head * d;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * d;
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < d; ++i) s += qg[i] * to_f(kr[i]);
+      scores[g * len + t] = s;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    float m = -INFINITY;
+    for (int64_t t = 0; t < len; ++t) m = std::fmax(m, sg[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      float e = exp_approx(sg[t] - m);
+      sg[t] = e;
+      sum += e;
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+  }
+  std::fill(acc, acc + group * d, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
+    const T* vr = v_cache + slot * token_stride + kv_head * d;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * len + t];
+      float* ag = acc + g * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) ag[i] += p * to_f(vr[i]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    T* og = out + g * out_head_stride;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) og[i] = from_f<T>(acc[g * d + i]);
+  }
+}
+
+#ifdef PAGEDSERVE_AVX512
+// Softmax of n scores in place (max-subtracted, float32).
+inline void softmax_inplace(float* s, int64_t n) {
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+  float m = _mm512_reduce_max_ps(vmax);
+  for (; t < n; ++t) m = std::fmax(m, s[t]);
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= n; t += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
+    _mm512_storeu_ps(s + t, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  float sum = _mm512_reduce_add_ps(vsum);
+  for (; t < n; ++t) {
+    s[t] = exp_approx(s[t] - m);
+    sum += s[t];
+  }
+  const float inv = 1.0f / sum;
+  for (t = 0; t < n; ++t) s[t] *= inv;
+}
+
+// decode_one with head_dim = 16 * NC held in registers: per key one multiply-add chain and
+// one horizontal sum per query head; per value one multiply-add per head and chunk.
+template <typename T, int NC>
+void decode_one_vec(
+    T* out, int64_t out_head_stride, const T* q, int64_t q_head_stride, const T* k_cache,
+    const T* v_cache, const int32_t* blocks, int64_t len, int64_t block_size, int64_t kv_heads,
+    int64_t kv_head, int64_t group, float scale, std::vector<float>& buf) {
+  constexpr int64_t d = 16 * NC;
+  buf.resize(group * len + 16);
+  float* scores = buf.data();  // [G, len]
+  const int64_t token_stride = kv_heads * d;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {  // four query heads at a time stay in registers
+    const int64_t ng = std::min<int64_t>(4, group - g0);
+    __m512 qv[4][NC];
+    for (int64_t g = 0; g < ng; ++g)
+      for (int c = 0; c < NC; ++c)
+        qv[g][c] = _mm512_mul_ps(load16(q + (g0 + g) * q_head_stride + 16 * c), vscale);
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
+      const T* kr = k_cache + slot * token_stride + kv_head * d;
+      __m512 kv[NC];
+      for (int c = 0; c < NC; ++c) kv[c] = load16(kr + 16 * c);
+      for (int64_t g = 0; g < ng; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+        scores[(g0 + g) * len + t] = _mm512_reduce_add_ps(acc);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) softmax_inplace(scores + g * len, len);
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {
+    const int64_t ng = std::min<int64_t>(4, group - g0);
+    __m512 acc[4][NC];
+    for (int64_t g = 0; g < 4; ++g)
+      for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
+      const T* vr = v_cache + slot * token_stride + kv_head * d;
+      __m512 vv[NC];
+      for (int c = 0; c < NC; ++c) vv[c] = load16(vr + 16 * c);
+      for (int64_t g = 0; g < ng; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * len + t]);
+        for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < ng; ++g)
+      for (int c = 0; c < NC; ++c) store16(out + (g0 + g) * out_head_stride + 16 * c, acc[g][c]);
+  }
+}
+#endif
+
+#ifdef PAGEDSERVE_AVX512
+// All heads of one sequence at once: each key/value row ([Hkv, D], contiguous) is read whole,
+// so every cache line fetched is used; rows a few tokens ahead are prefetched, across blocks.
+template <typename T, int NC>
+void decode_seq_vec(
+    T* out, int64_t out_head_stride, const T* q, int64_t q_head_stride, const T* k_cache,
+    const T* v_cache, const int32_t* blocks, int64_t len, int64_t block_size, int64_t kv_heads,
+    int64_t group, float scale, std::vector<float>& buf) {
+  constexpr int64_t d = 16 * NC;
+  constexpr int64_t kAhead = 4;
+  const int64_t heads = kv_heads * group, token_stride = kv_heads * d;
+  buf.resize(heads * (len + 2 * d) + 32);
+  float* scores = buf.data();         // [H, len]
+  float* qf = scores + heads * len;   // [H, D]
+  float* acc = qf + heads * d;        // [H, D]
+  for (int64_t h = 0; h < heads; ++h)
+    for (int c = 0; c < NC; ++c)
+      _mm512_storeu_ps(
+          qf + h * d + 16 * c,
+          _mm512_mul_ps(load16(q + h * q_head_stride + 16 * c), _mm512_set1_ps(scale)));
+  auto row_of = [&](const T* cache, int64_t t) {
+    const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
+    return cache + slot * token_stride;
+  };
+  auto prefetch_row = [&](const T* row) {
+    const char* p = reinterpret_cast<const char*>(row);
+    for (int64_t b = 0; b < token_stride * static_cast<int64_t>(sizeof(T)); b += 64)
+      _mm_prefetch(p + b, _MM_HINT_T0);
+  };
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kAhead < len) prefetch_row(row_of(k_cache, t + kAhead));
+    const T* kr = row_of(k_cache, t);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      __m512 kv[NC];
+      for (int c = 0; c < NC; ++c) kv[c] = load16(kr + h * d + 16 * c);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qh = qf + (h * group + g) * d;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
+        for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), kv[c], a);
+        scores[(h * group + g) * len + t] = _mm512_reduce_add_ps(a);
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) softmax_inplace(scores + h * len, len);
+  std::fill(acc, acc + heads * d, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + kAhead < len) prefetch_row(row_of(v_cache, t + kAhead));
+    const T* vr = row_of(v_cache, t);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      __m512 vv[NC];
+      for (int c = 0; c < NC; ++c) vv[c] = load16(vr + h * d + 16 * c);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = h * group + g;
+        const __m512 p = _mm512_set1_ps(scores[head * len + t]);
+        float* ah = acc + head * d;
+        for (int c = 0; c < NC; ++c)
+          _mm512_storeu_ps(ah + 16 * c, _mm512_fmadd_ps(p, vv[c], _mm512_loadu_ps(ah + 16 * c)));
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h)
+    for (int c = 0; c < NC; ++c)
+      store16(out + h * out_head_stride + 16 * c, _mm512_loadu_ps(acc + h * d + 16 * c));
+}
+#endif
+
+// Picks the register-resident kernel for head_dim 64/128 on AVX-512, else the portable one.
+template <typename T>
+void decode_dispatch(
+    T* out, int64_t out_head_stride, const T* q, int64_t q_head_stride, const T* k_cache,
+    const T* v_cache, const int32_t* blocks, int64_t len, int64_t block_size, int64_t kv_heads,
+    int64_t kv_head, int64_t group, int64_t d, float scale, std::vector<float>& buf) {
+#ifdef PAGEDSERVE_AVX512
+  if constexpr (kVec<T>) {
+    if (d == 64)
+      return decode_one_vec<T, 4>(
+          out, out_head_stride, q, q_head_stride, k_cache, v_cache, blocks, len, block_size,
+          kv_heads, kv_head, group, scale, buf);
+    if (d == 128)
+      return decode_one_vec<T, 8>(
+          out, out_head_stride, q, q_head_stride, k_cache, v_cache, blocks, len, block_size,
+          kv_heads, kv_head, group, scale, buf);
+  }
+#endif
+  decode_one(
+      out, out_head_stride, q, q_head_stride, k_cache, v_cache, blocks, len, block_size,
+      kv_heads, kv_head, group, d, scale, buf);
+}
+
+// One task per sequence (all heads) when there are enough sequences to keep every thread
+// busy, else one per (sequence, KV head).
+template <typename T>
+void decode_batch(
+    T* out, int64_t out_stride, int64_t out_head_stride, const T* q, int64_t q_stride,
+    int64_t q_head_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
+    int64_t bt_stride, const int32_t* lens, int64_t batch, int64_t block_size, int64_t kv_heads,
+    int64_t group, int64_t d, float scale) {
+#ifdef PAGEDSERVE_AVX512
+  if constexpr (kVec<T>) {
+    if ((d == 64 || d == 128) && batch >= 2 * at::get_num_threads()) {
+      at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> buf;
+        for (int64_t b = begin; b < end; ++b) {
+          auto run = d == 64 ? decode_seq_vec<T, 4> : decode_seq_vec<T, 8>;
+          run(out + b * out_stride, out_head_stride, q + b * q_stride, q_head_stride, k_cache,
+              v_cache, block_table + b * bt_stride, lens[b], block_size, kv_heads, group, scale,
+              buf);
+        }
+      });
+      return;
+    }
+  }
+#endif
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const int64_t head0 = h * group;
+      decode_dispatch(
+          out + b * out_stride + head0 * out_head_stride, out_head_stride,
+          q + b * q_stride + head0 * q_head_stride, q_head_stride, k_cache, v_cache,
+          block_table + b * bt_stride, lens[b], block_size, kv_heads, h, group, d, scale, buf);
+    }
+  });
+}
+
+void paged_attention_decode(
+    const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+    double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query: [B, H, D], D contiguous");
+  TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1, "out: [B, H, D], D contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "block_table");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens");
+  const int64_t batch = query.size(0), heads = query.size(1), d = query.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == d, "head shapes");
+  const int64_t group = heads / kv_heads;
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_decode", [&] {
+        const scalar_t* qp = query.data_ptr<scalar_t>();
+        scalar_t* op = out.data_ptr<scalar_t>();
+        const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+        const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+        const int32_t* bt = block_table.data_ptr<int32_t>();
+        const int32_t* lens = seq_lens.data_ptr<int32_t>();
+        const int64_t bts = block_table.stride(0);
+        decode_batch(
+            op, out.stride(0), out.stride(1), qp, query.stride(0), query.stride(1), kp, vp, bt,
+            block_table.stride(0), lens, batch, block_size, kv_heads, group, d,
+            static_cast<float>(scale));
+      });
+}
+
+
+// ---- small-batch bf16 linear on AMX ------------------------------------------------------
+// out[M, N] = x[M, K] @ W[N, K]^T for decode-sized M, where oneDNN's per-call overhead
+// dominates. W is packed once into AMX's B-tile layout: for each 16 output columns and 32 k,
+// a 16 x 64-byte tile whose row r holds (W[n][k0+2r], W[n][k0+2r+1]) for n in 0..15.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEDSERVE_AMX 1
+
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_permitted() {
+  // Linux hands out AMX state per process on request (ARCH_REQ_XCOMP_PERM, XTILEDATA).
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+constexpr int64_t kPrefetchTiles = 8;
+
+void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+#endif
+
+bool amx_available() {
+#ifdef PAGEDSERVE_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor amx_pack_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "w: [N, K] bfloat16");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n % 16 == 0 && k % 32 == 0, "AMX packing needs N % 16 == 0 and K % 32 == 0");
+  // [N/16, K/32, 16 (k pairs), 16 (n), 2] as a view of w
+  return w.contiguous().view({n / 16, 16, k / 32, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous();
+}
+
+void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
+#ifdef PAGEDSERVE_AMX
+  TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "bf16");
+  check_rows(x, "x");
+  check_rows(out, "out");
+  const int64_t m = x.size(0), k = x.size(1), nt = packed.size(0), kt = packed.size(1);
+  TORCH_CHECK(kt * 32 == k && out.size(1) == nt * 16 && out.size(0) == m, "shapes");
+  const int64_t m_pad = (m + 15) / 16 * 16;
+  // A tiles read 16 full rows: copy x into a zero-padded [m_pad, K] buffer.
+  std::vector<c10::BFloat16> xbuf(m_pad * k, c10::BFloat16(0.0f));
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  for (int64_t r = 0; r < m; ++r)
+    std::memcpy(xbuf.data() + r * k, xp + r * x.stride(0), k * sizeof(c10::BFloat16));
+  const auto* wp = packed.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t os = out.stride(0);
+  const int64_t n_chunks = (nt + 1) / 2;  // 32 output columns (two B tiles) per chunk
+  at::parallel_for(0, n_chunks, 1, [&](int64_t begin, int64_t end) {
+    amx_configure();
+    alignas(64) float cbuf[4][16 * 16];
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t n0 = chunk * 2;
+      const bool two = n0 + 1 < nt;
+      const c10::BFloat16* b0 = wp + n0 * kt * 512;
+      const c10::BFloat16* b1 = b0 + kt * 512;
+      for (int64_t m0 = 0; m0 < m_pad; m0 += 32) {
+        const bool two_m = m0 + 16 < m_pad;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const c10::BFloat16* a0 = xbuf.data() + m0 * k;
+        const c10::BFloat16* a1 = a0 + 16 * k;
+        for (int64_t kb = 0; kb < kt; ++kb) {
+          if (m0 == 0 && kb + kPrefetchTiles < kt) {  // B streams from memory: fetch ahead
+            const char* f0 = reinterpret_cast<const char*>(b0 + (kb + kPrefetchTiles) * 512);
+            const char* f1 = reinterpret_cast<const char*>(b1 + (kb + kPrefetchTiles) * 512);
+            for (int line = 0; line < 1024; line += 64) {
+              _mm_prefetch(f0 + line, _MM_HINT_T0);
+              if (two) _mm_prefetch(f1 + line, _MM_HINT_T0);
+            }
+          }
+          _tile_loadd(4, a0 + kb * 32, k * 2);
+          _tile_loadd(6, b0 + kb * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two) {
+            _tile_loadd(7, b1 + kb * 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (two_m) {
+            _tile_loadd(5, a1 + kb * 32, k * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, cbuf[0], 64);
+        if (two) _tile_stored(1, cbuf[1], 64);
+        if (two_m) {
+          _tile_stored(2, cbuf[2], 64);
+          if (two) _tile_stored(3, cbuf[3], 64);
+        }
+        for (int64_t mi = 0; mi < 2; ++mi) {
+          for (int64_t r = 0; r < 16; ++r) {
+            const int64_t row = m0 + mi * 16 + r;
+            if (row >= m) break;
+            c10::BFloat16* orow = op + row * os + n0 * 16;
+            store16(orow, _mm512_loadu_ps(cbuf[mi * 2] + r * 16));
+            if (two) store16(orow + 16, _mm512_loadu_ps(cbuf[mi * 2 + 1] + r * 16));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+#else
+  TORCH_CHECK(false, "built without AMX support");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm);
+  m.def("rotary_embedding", &rotary_embedding);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("paged_attention_decode", &paged_attention_decode);
+  m.def("amx_available", &amx_available);
+  m.def("amx_pack_weight", &amx_pack_weight);
+  m.def("amx_linear", &amx_linear);
+}
