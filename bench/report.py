@@ -1,6 +1,10 @@
 """The peers table (ratios against pagedserve from the same run) and its PNG plots.
 
 python bench/report.py bench/results/<run> [--plots bench/plots]
+python bench/report.py --from-vllm RESULT.json --label L --workload W --out SUMMARY.json
+
+The second form turns a `vllm bench serve --save-result` file into bench/serve.py's summary
+shape, so runs driven by vLLM's own client (CLIENT=vllm bash bench/peers.sh) share the table.
 """
 
 from __future__ import annotations
@@ -81,11 +85,49 @@ def plot(table: dict[str, dict[str, dict]], out_dir: Path) -> list[Path]:
     return [path]
 
 
+def from_vllm_bench(result: dict, label: str, workload: str) -> dict:
+    """A `vllm bench serve` result (--metric-percentiles 50,90,99) as a serve.py summary."""
+
+    def stats(metric: str) -> dict:
+        return {
+            "mean": result[f"mean_{metric}_ms"],
+            "median": result[f"median_{metric}_ms"],
+            "p90": result[f"p90_{metric}_ms"],
+            "p99": result[f"p99_{metric}_ms"],
+        }
+
+    return {
+        "label": label,
+        "workload": workload,
+        "client": "vllm bench serve",
+        "num_requests": result["num_prompts"],
+        "num_completed": result["completed"],
+        "num_failed": result["num_prompts"] - result["completed"],
+        "max_concurrency": result.get("max_concurrency"),
+        "duration_s": result["duration"],
+        "total_input_tokens": result["total_input_tokens"],
+        "total_output_tokens": result["total_output_tokens"],
+        "output_throughput": result["output_throughput"],
+        "request_throughput": result["request_throughput"],
+        "ttft_ms": stats("ttft"),
+        "itl_ms": stats("itl"),
+        "e2el_ms": stats("e2el"),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("run_dir", type=Path)
+    p.add_argument("run_dir", type=Path, nargs="?")
     p.add_argument("--plots", type=Path, help="write PNG plots into this folder")
+    p.add_argument("--from-vllm", type=Path, help="convert this vllm bench serve result")
+    p.add_argument("--label")
+    p.add_argument("--workload")
+    p.add_argument("--out", type=Path)
     args = p.parse_args()
+    if args.from_vllm:
+        summary = from_vllm_bench(json.loads(args.from_vllm.read_text()), args.label, args.workload)
+        args.out.write_text(json.dumps(summary, indent=2))
+        return
     table = load_results(args.run_dir)
     text = format_table(table)
     print(text)

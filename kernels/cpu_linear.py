@@ -34,7 +34,8 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.large = torch.ops.mkldnn._reorder_linear_weight(w, PREFILL_ROWS)
-        self.ops = ops if _amx_fits(ops, w) else None
+        # The AMX kernel rounds its output once; a bias added afterwards would round twice.
+        self.ops = ops if self.bias is None and _amx_fits(ops, w) else None
         if self.ops is not None:
             self.amx = self.ops.amx_pack_weight(w)
         else:
@@ -45,7 +46,7 @@ class PackedLinear(nn.Module):
         if self.ops is not None and rows <= AMX_MAX_ROWS and x.stride(-1) == 1:
             out = x.new_empty(rows, self.out_features)
             self.ops.amx_linear(out, x, self.amx)
-            return out if self.bias is None else out.add_(self.bias)
+            return out
         small = self.ops is None and rows <= SMALL_MAX_ROWS
         packed = self.small if small else self.large
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")

@@ -79,31 +79,58 @@ def paged_attention_mixed(
     scale: float,
     decode=None,
 ) -> torch.Tensor:
-    """Decoding sequences (one query each) batched together, the others one at a time.
+    """Decoding sequences (one query each) batched together; prefill sequences batched by
+    (query length, context length), so a burst of equal prompts is one SDPA call per layer.
 
     decode: the batched decode function (paged_decode_attention's signature).
     """
     decode = decode or paged_decode_attention
-    decoding = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
-    if len(decoding) < 2:
-        return paged_attention(query, k_cache, v_cache, meta, scale)
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
-    seq_idx = torch.tensor(decoding, device=query.device)
-    rows = torch.tensor([starts[i] for i in decoding], device=query.device)
-    max_seq_len = max(meta.seq_lens_cpu[i] for i in decoding)
-    out[rows] = decode(
-        query[rows],
-        k_cache,
-        v_cache,
-        meta.block_table[seq_idx],
-        meta.seq_lens[seq_idx],
-        max_seq_len,
-        scale,
-    )
-    for i in set(range(meta.num_seqs)) - set(decoding):
-        attend_one(query, k_cache, v_cache, meta, i, starts[i], scale, out)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (q_len, kv_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        groups.setdefault((1, 0) if q_len == 1 else (q_len, kv_len), []).append(i)
+    for (q_len, _), seqs in groups.items():
+        if len(seqs) == 1:
+            attend_one(query, k_cache, v_cache, meta, seqs[0], starts[seqs[0]], scale, out)
+        elif q_len == 1:
+            seq_idx = torch.tensor(seqs, device=query.device)
+            rows = torch.tensor([starts[i] for i in seqs], device=query.device)
+            max_seq_len = max(meta.seq_lens_cpu[i] for i in seqs)
+            out[rows] = decode(
+                query[rows],
+                k_cache,
+                v_cache,
+                meta.block_table[seq_idx],
+                meta.seq_lens[seq_idx],
+                max_seq_len,
+                scale,
+            )
+        else:
+            attend_group(query, k_cache, v_cache, meta, seqs, starts, scale, out)
     return out
+
+
+def attend_group(query, k_cache, v_cache, meta, seqs: list[int], starts, scale, out) -> None:
+    """Prefill sequences with equal query and context lengths: one gather, one SDPA."""
+    n, q_len, kv_len = len(seqs), meta.query_lens_cpu[seqs[0]], meta.seq_lens_cpu[seqs[0]]
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    dev = query.device
+    first = torch.tensor([starts[i] for i in seqs], device=dev)
+    rows = (first[:, None] + torch.arange(q_len, device=dev)).reshape(-1)  # [n * q_len]
+    q = query[rows].view(n, q_len, num_heads, head_dim).transpose(1, 2)  # [n, H, q_len, D]
+    num_blocks = -(kv_len // -block_size)
+    blocks = meta.block_table[torch.tensor(seqs, device=dev), :num_blocks].reshape(-1).long()
+    kv_shape = (n, num_blocks * block_size, num_kv_heads, head_dim)
+    k = k_cache.index_select(0, blocks).view(kv_shape)[:, :kv_len].transpose(1, 2)
+    v = v_cache.index_select(0, blocks).view(kv_shape)[:, :kv_len].transpose(1, 2)
+    fresh = q_len == kv_len
+    mask = None if fresh else bottom_right_causal_mask(q_len, kv_len, dev)
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, is_causal=fresh, enable_gqa=True
+    )
+    out[rows] = o.transpose(1, 2).reshape(n * q_len, num_heads, head_dim)
 
 
 def paged_decode_attention(

@@ -191,6 +191,25 @@ def test_mixed_batch_decode_rows_batched_match_per_sequence():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_equal_prefills_batched_match_per_sequence(monkeypatch):
+    # two whole prompts of 12, three chunks of 5 new over 21, one odd chunk, two decodes
+    query_lens = [12, 5, 1, 12, 5, 3, 5, 1]
+    seq_lens = [12, 21, 30, 12, 21, 21, 21, 9]
+    k_cache, v_cache, block_table = make_paged_batch(8, 2, 64, seq_lens, torch.float32, "cpu")
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    meta = ragged_meta(block_table, query_lens, seq_lens)
+    q = torch.randn(sum(query_lens), 6, 64)
+    import kernels.reference as ref
+
+    groups = []
+    real = ref.attend_group
+    monkeypatch.setattr(ref, "attend_group", lambda *a: groups.append(sorted(a[4])) or real(*a))
+    got = get_attention_backend("torch", "cpu").forward(q, k_cache, v_cache, meta, 0.125)
+    assert groups == [[0, 3], [1, 4, 6]]  # the odd chunk runs alone
+    want = paged_attention(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_torch_backend_batches_decode_rows(monkeypatch):
     backend = get_attention_backend("torch", "cpu")
     seen = []

@@ -49,14 +49,26 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Non-interleaved (rotate-half) RoPE, cos/sin computed in float32 per position."""
+    """Non-interleaved (rotate-half) RoPE, cos/sin computed in float32 per position.
+
+    inv_freq stays float32 whatever dtype the model is cast to (as Hugging Face computes it):
+    in bf16 the frequencies would be off by up to 2^-9, the angle by ~1 rad at position 1000.
+    """
 
     def __init__(self, head_dim: int, base: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (
-            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        )
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.base = head_dim, base
+        self.register_buffer("inv_freq", self._inv_freq(torch.device("cpu")), persistent=False)
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        return (1.0 / (self.base**exponent)).to(device)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq(self.inv_freq.device)  # recomputed in float32
+        self._cache = None
+        return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]

@@ -125,7 +125,9 @@ void check_rows(const at::Tensor& t, const char* name) {
 void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   check_rows(out, "out");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "out like x");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight: [hidden]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight dtype must match x");
   const int64_t rows = x.size(0), n = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -151,7 +153,10 @@ void fused_add_rms_norm(
     const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "residual must be shaped like x");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "residual dtype must match x");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight: [hidden]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight dtype must match x");
   const int64_t rows = x.size(0), n = x.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm", [&] {
@@ -190,7 +195,14 @@ void rotary_embedding(
   TORCH_CHECK(cos_sin_cache.is_contiguous() && cos_sin_cache.size(1) == q.size(2), "cache");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions");
   TORCH_CHECK(cos_sin_cache.scalar_type() == q.scalar_type(), "cache dtype must match q");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && k.size(2) == q.size(2), "k like q");
+  TORCH_CHECK(k.size(0) == q.size(0) && positions.numel() == q.size(0), "one position per token");
+  TORCH_CHECK(q.size(2) % 2 == 0, "head_dim must be even");
   const int64_t tokens = q.size(0), d = q.size(2);
+  if (tokens > 0) {
+    const int64_t max_pos = positions.max().item<int64_t>(), min_pos = positions.min().item<int64_t>();
+    TORCH_CHECK(min_pos >= 0 && max_pos < cos_sin_cache.size(0), "position outside the cache");
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
         scalar_t* qp = q.data_ptr<scalar_t>();
@@ -238,7 +250,8 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
   check_rows(x, "x");
   check_rows(out, "out");
   const int64_t rows = x.size(0), inter = out.size(1);
-  TORCH_CHECK(x.size(1) == 2 * inter, "x must be [T, 2 * I] for out [T, I]");
+  TORCH_CHECK(x.size(1) == 2 * inter && out.size(0) == rows, "x must be [T, 2 * I], out [T, I]");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "out dtype must match x");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -526,6 +539,18 @@ void paged_attention_decode(
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == d, "head shapes");
   const int64_t group = heads / kv_heads;
+  TORCH_CHECK(out.size(0) == batch && out.size(1) == heads && out.size(2) == d, "out like query");
+  TORCH_CHECK(block_table.size(0) == batch && seq_lens.numel() == batch, "one row per sequence");
+  TORCH_CHECK(
+      out.scalar_type() == query.scalar_type() && k_cache.scalar_type() == query.scalar_type() &&
+          v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+      "dtypes and cache shapes must agree");
+  if (batch > 0) {
+    const int64_t max_len = seq_lens.max().item<int32_t>();
+    TORCH_CHECK(
+        seq_lens.min().item<int32_t>() >= 1 && max_len <= block_table.size(1) * block_size,
+        "seq_lens must be in [1, max_blocks * block_size]");
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_decode", [&] {
         const scalar_t* qp = query.data_ptr<scalar_t>();
@@ -534,7 +559,6 @@ void paged_attention_decode(
         const scalar_t* vp = v_cache.data_ptr<scalar_t>();
         const int32_t* bt = block_table.data_ptr<int32_t>();
         const int32_t* lens = seq_lens.data_ptr<int32_t>();
-        const int64_t bts = block_table.stride(0);
         decode_batch(
             op, out.stride(0), out.stride(1), qp, query.stride(0), query.stride(1), kp, vp, bt,
             block_table.stride(0), lens, batch, block_size, kv_heads, group, d,
@@ -600,6 +624,9 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "bf16");
   check_rows(x, "x");
   check_rows(out, "out");
+  TORCH_CHECK(
+      packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16,
+      "packed must come from amx_pack_weight");
   const int64_t m = x.size(0), k = x.size(1), nt = packed.size(0), kt = packed.size(1);
   TORCH_CHECK(kt * 32 == k && out.size(1) == nt * 16 && out.size(0) == m, "shapes");
   const int64_t m_pad = (m + 15) / 16 * 16;

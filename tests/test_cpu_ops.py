@@ -1,0 +1,535 @@
+"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp) against the torch ops they replace.
+
+Each op is compared with its oracle: RMSNorm._norm, apply_rope, F.silu, the paged attention
+references in kernels/reference.py and F.linear. Outputs are pre-filled with NaN so an element a
+kernel forgets to write fails, paged caches carry NaN in every slot no sequence owns so a read
+past a sequence's end fails, and padding around strided views is checked untouched.
+
+Reduced-precision results are held to "one rounding of the float32 result": within one unit in
+the last place everywhere and bit-equal almost everywhere, which a kernel that drops or adds a
+rounding step (or reads the wrong element) does not meet.
+
+The kernels must build on a machine with a C++ compiler: a None from load_cpu_ops() errors every
+test that uses them, unless PAGEDSERVE_CPU_KERNELS=0 turns them off (then they are skipped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.llama import RMSNorm, RotaryEmbedding, apply_rope
+from kernels.backend import AttentionMetadata
+from kernels.cpu_linear import AMX_MAX_ROWS, PackedLinear, can_pack, pack_linears
+from kernels.cpu_ops import cpu_kernels_enabled, load_cpu_ops
+from kernels.reference import TorchAttentionBackend, paged_attention, paged_decode_attention
+
+# One unit in the last place, relative: the largest gap one rounding step can open.
+ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+THREADS = 2  # the decode kernel's per-sequence path needs batch >= 2 * intra-op threads
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if not cpu_kernels_enabled():
+        pytest.skip("PAGEDSERVE_CPU_KERNELS=0: the CPU kernels are turned off")
+    loaded = load_cpu_ops()
+    assert loaded is not None, (
+        "kernels/csrc/cpu_ops.cpp did not build (see the warning load_cpu_ops logged); "
+        "set PAGEDSERVE_CPU_KERNELS=0 only on a machine without a C++ compiler"
+    )
+    return loaded
+
+
+def _amx_available() -> bool:
+    if not cpu_kernels_enabled():
+        return False
+    loaded = load_cpu_ops()
+    return loaded is not None and bool(loaded.amx_available())
+
+
+needs_amx = pytest.mark.skipif(
+    not _amx_available(),
+    reason="no AMX here: the CPU lacks amx_tile/amx_bf16, the kernels were built without "
+    "them, or the kernel could not get AMX state from Linux (ARCH_REQ_XCOMP_PERM)",
+)
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def assert_one_rounding(got: torch.Tensor, want32: torch.Tensor, min_exact: float = 0.99):
+    """got equals want32 (a float32 oracle) rounded to got's dtype, bar rare one-ulp flips."""
+    assert not got.isnan().any(), "unwritten (NaN) output elements"
+    rounded = want32.to(got.dtype)
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want32, rtol=1e-5, atol=1e-6)
+        return
+    torch.testing.assert_close(got.float(), rounded.float(), rtol=ULP[got.dtype], atol=1e-6)
+    exact = (got == rounded).float().mean().item()
+    assert exact >= min_exact, f"only {exact:.2%} of elements are the correctly rounded value"
+
+
+def _weight(n: int, dtype, gen) -> torch.Tensor:
+    return (1.0 + 0.5 * torch.randn(n, generator=gen)).to(dtype)
+
+
+# ---- RMSNorm ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [64, 200])
+def test_rms_norm_matches_hf_rounding(ops, dtype, hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    rows, eps = 37, 1e-5  # more rows than one parallel grain (16)
+    norm = RMSNorm(hidden, eps)
+    norm.weight.data = _weight(hidden, dtype, gen)
+    # x and out as row views of wider buffers: the kernel must honour both row strides.
+    x_buf = (3.0 * torch.randn(rows, hidden + 8, generator=gen)).to(dtype)
+    x_buf[0] *= 1e-3  # a row whose mean square is eps-sized: eps must be added, not dropped
+    x = x_buf[:, :hidden]
+    out_buf = torch.full((rows, hidden + 8), 7.0, dtype=dtype)
+    out = out_buf[:, :hidden].fill_(float("nan"))
+    x_before = x_buf.clone()
+
+    ops.rms_norm(out, x, norm.weight.data, eps)
+
+    want = norm._norm(x)  # Hugging Face: normalize in float32, round, then weight * in dtype
+    assert_one_rounding(out, want.float())
+    assert torch.equal(out_buf[:, hidden:], torch.full((rows, 8), 7.0, dtype=dtype))
+    assert torch.equal(x_buf, x_before), "rms_norm wrote to its input"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_add_rms_norm_updates_residual_and_x_in_place(ops, dtype):
+    gen = torch.Generator().manual_seed(1)
+    rows, hidden, eps = 33, 200, 1e-6
+    norm = RMSNorm(hidden, eps)
+    norm.weight.data = _weight(hidden, dtype, gen)
+    x = (2.0 * torch.randn(rows, hidden, generator=gen)).to(dtype)
+    residual = (5.0 * torch.randn(rows, hidden, generator=gen)).to(dtype)
+    x[0], residual[0] = x[0] * 1e-3, residual[0] * 1e-3  # mean square ~30 * eps
+    want_x, want_residual = norm._norm(x + residual), x + residual  # the torch path's rounding
+
+    ops.fused_add_rms_norm(x, residual, norm.weight.data, eps)
+
+    assert torch.equal(residual, want_residual), "residual must be x + residual in dtype, exactly"
+    assert_one_rounding(x, want_x.float())
+
+
+# ---- RoPE ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (3, 1, 128), (6, 3, 80)])
+def test_rotary_embedding_in_place_on_fused_qkv(ops, dtype, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(head_dim + heads)
+    tokens, max_pos = 37, 700
+    rotary = RotaryEmbedding(head_dim, 10000.0)
+    cache = rotary.cos_sin_cache(max_pos, dtype)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen)
+    positions[:2] = torch.tensor([0, max_pos - 1])
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen).to(dtype)
+    before = qkv.clone()
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # views, row stride = qkv width
+    q = q.view(tokens, heads, head_dim)
+    k = k.view(tokens, kv_heads, head_dim)
+
+    ops.rotary_embedding(positions, q, k, cache)
+
+    cos, sin = rotary(positions, dtype)  # the torch path's per-token cos/sin
+    half = head_dim // 2
+    assert torch.equal(cache[positions, :half], cos[:, 0, :half]), "cache cos != forward()'s"
+    assert torch.equal(cache[positions, half:], sin[:, 0, :half]), "cache sin != forward()'s"
+    q0, k0, v0 = before.split([q_size, kv_size, kv_size], dim=-1)
+    q0, k0 = q0.reshape(tokens, heads, head_dim), k0.reshape(tokens, kv_heads, head_dim)
+    # The kernel rotates in float32 and rounds once; apply_rope in dtype rounds three times.
+    cos32, sin32 = cos.float(), sin.float()
+    assert_one_rounding(q, apply_rope(q0.float(), cos32, sin32))
+    assert_one_rounding(k, apply_rope(k0.float(), cos32, sin32))
+    tol = dict(rtol=4 * ULP[dtype], atol=4 * ULP[dtype])
+    torch.testing.assert_close(q, apply_rope(q0, cos, sin), **tol)
+    torch.testing.assert_close(k, apply_rope(k0, cos, sin), **tol)
+    assert torch.equal(v, v0), "the v part of qkv must be left alone"
+
+
+# ---- SiLU and mul -------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("inter", [40, 128])  # 40: a 16-lane vector body plus a scalar tail
+def test_silu_and_mul_matches_torch(ops, dtype, inter):
+    gen = torch.Generator().manual_seed(inter)
+    rows = 9
+    x = (4.0 * torch.randn(rows, 2 * inter, generator=gen)).to(dtype)
+    x[0, :6] = torch.tensor([0.0, -30.0, 30.0, -100.0, 100.0, 1e-3])  # exp's clamped range
+    out = torch.full((rows, inter), float("nan"), dtype=dtype)
+
+    ops.silu_and_mul(out, x)
+
+    # torch rounds silu to dtype, then the product: one rounding of the float32 product.
+    assert_one_rounding(out, (F.silu(x[:, :inter]).float() * x[:, inter:].float()))
+    want = F.silu(x[:, :inter]) * x[:, inter:]
+    torch.testing.assert_close(out, want, rtol=max(ULP[dtype], 1e-5), atol=1e-6)
+
+
+# ---- paged decode attention ---------------------------------------------------------------------
+def make_paged(block_size, kv_heads, head_dim, seq_lens, dtype, gen):
+    """Caches whose blocks are scattered in shuffled order; every slot no sequence owns is NaN."""
+    num_blocks = [-(n // -block_size) for n in seq_lens]
+    total = sum(num_blocks) + 3  # spare blocks no table points at
+    shape = (total, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    perm = torch.randperm(total, generator=gen)
+    block_table = torch.zeros(len(seq_lens), max(num_blocks) + 1, dtype=torch.int32)  # spare col
+    used = 0
+    for i, n in enumerate(num_blocks):
+        block_table[i, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    for cache in (k_cache, v_cache):
+        cache[perm[used:]] = float("nan")
+        for i, n in enumerate(seq_lens):  # past each sequence's end in its last block
+            cache[block_table[i, num_blocks[i] - 1], n - (num_blocks[i] - 1) * block_size :] = (
+                float("nan")
+            )
+    return k_cache, v_cache, block_table
+
+
+def decode_meta(block_table, seq_lens) -> AttentionMetadata:
+    n = len(seq_lens)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(n, dtype=torch.int64),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        query_lens_cpu=[1] * n,
+        seq_lens_cpu=list(seq_lens),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+    )
+
+
+# (kernel path at THREADS threads, block_size, num_heads, num_kv_heads, head_dim, seq_lens)
+# Lengths 16, 24, 32, 64 end on a block boundary; 1, 9, 17, 33, ... end inside one.
+DECODE_CASES = [
+    ("per-seq", 16, 8, 2, 64, [1, 16, 17, 40, 64, 5]),  # GQA 4
+    ("per-seq", 8, 9, 3, 128, [24, 1, 13, 31, 100]),  # GQA 3
+    ("per-seq", 8, 4, 4, 64, [8, 9, 63, 2]),  # MHA
+    ("per-seq", 16, 4, 1, 128, [300, 7, 16, 33]),  # MQA, a longer context
+    ("per-head", 16, 8, 2, 64, [33, 16]),
+    ("per-head", 8, 9, 3, 128, [24, 7, 50]),
+    ("per-head", 16, 4, 4, 128, [1]),
+    ("per-head", 8, 10, 2, 64, [41, 8, 19]),  # GQA 5: four query heads, then one
+    ("scalar", 16, 8, 2, 32, [1, 16, 17, 40, 5]),
+    ("scalar", 8, 9, 3, 80, [24, 13]),
+    ("scalar", 8, 4, 4, 80, [9, 64, 3, 1]),
+]
+
+
+def _case_id(case) -> str:
+    path, bs, h, hkv, d, lens = case
+    return f"{path}-bs{bs}-h{h}/{hkv}-d{d}-b{len(lens)}"
+
+
+def _run_decode(ops, case, dtype, seed=0):
+    path, block_size, heads, kv_heads, head_dim, seq_lens = case
+    batch = len(seq_lens)
+    expect_per_seq = head_dim in (64, 128) and batch >= 2 * THREADS and dtype != torch.float16
+    assert (path == "per-seq") == expect_per_seq, "case list out of step with the dispatch rule"
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, block_table = make_paged(block_size, kv_heads, head_dim, seq_lens, dtype, gen)
+    # query: a strided view (as q out of a fused qkv): padded heads and head rows.
+    q_buf = torch.randn(batch, heads + 2, head_dim + 16, generator=gen).to(dtype)
+    query = q_buf[:, :heads, :head_dim]
+    out_buf = torch.full((batch, heads, head_dim + 8), 7.0, dtype=dtype)
+    out = out_buf[:, :, :head_dim].fill_(float("nan"))
+    scale = head_dim**-0.5
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+
+    with num_threads(THREADS):
+        ops.paged_attention_decode(out, query, k_cache, v_cache, block_table, seq_lens_t, scale)
+
+    f32 = [t.float() for t in (query, k_cache, v_cache)]
+    want = paged_attention(*f32, decode_meta(block_table, seq_lens), scale)  # per sequence
+    assert torch.equal(out_buf[..., head_dim:], torch.full((batch, heads, 8), 7.0, dtype=dtype))
+    return out, want, (query, k_cache, v_cache, block_table, seq_lens_t, max(seq_lens), scale)
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_case_id)
+def test_paged_decode_float32(ops, case):
+    out, want, args = _run_decode(ops, case, torch.float32)
+    assert not out.isnan().any(), "unwritten or NaN-contaminated output"
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    # The batched reference (gather + masked SDPA) agrees too once the poison is zeroed.
+    query, k_cache, v_cache, *rest = args
+    batched = paged_decode_attention(query, k_cache.nan_to_num(0), v_cache.nan_to_num(0), *rest)
+    torch.testing.assert_close(out, batched, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=_case_id)
+def test_paged_decode_bfloat16(ops, case):
+    out, want, _ = _run_decode(ops, case, torch.bfloat16, seed=1)
+    assert not out.isnan().any(), "unwritten or NaN-contaminated output"
+    # Inputs are exact in bf16 and the kernel accumulates in float32: one output rounding.
+    torch.testing.assert_close(out.float(), want, rtol=0, atol=2e-2)
+    torch.testing.assert_close(out.float(), want, rtol=ULP[torch.bfloat16], atol=1e-3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_decode_float16_takes_the_portable_path(ops, head_dim):
+    case = ("scalar", 16, 8, 2, head_dim, [1, 16, 17, 40, 5])
+    out, want, _ = _run_decode(ops, case, torch.float16, seed=2)
+    assert not out.isnan().any(), "unwritten or NaN-contaminated output"
+    torch.testing.assert_close(out.float(), want, rtol=ULP[torch.float16], atol=2e-4)
+
+
+def test_torch_backend_routes_decode_through_the_kernel(ops):
+    """TorchAttentionBackend(ops) calls the kernel for decode batches and matches ops=None."""
+    seq_lens = [5, 16, 17, 33]
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache, block_table = make_paged(16, 2, 64, seq_lens, torch.float32, gen)
+    k_cache, v_cache = k_cache.nan_to_num(0), v_cache.nan_to_num(0)
+    query = torch.randn(len(seq_lens), 6, 64, generator=gen)
+    meta = decode_meta(block_table, seq_lens)
+    calls = []
+
+    class Spy:
+        def paged_attention_decode(self, *args):
+            calls.append(args[1].shape)
+            ops.paged_attention_decode(*args)
+
+    got = TorchAttentionBackend(Spy()).forward(query, k_cache, v_cache, meta, 0.125)
+    want = TorchAttentionBackend(None).forward(query, k_cache, v_cache, meta, 0.125)
+    assert calls == [query.shape]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- AMX linear ---------------------------------------------------------------------------------
+def assert_matches_linear(got: torch.Tensor, want: torch.Tensor):
+    """bf16 linear results: F.linear's value, bar a rare one-ulp flip from summation order."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    assert not got.isnan().any(), "unwritten output elements"
+    torch.testing.assert_close(got.float(), want.float(), rtol=ULP[torch.bfloat16], atol=1e-5)
+    exact = (got == want).float().mean().item()
+    assert exact >= 0.99, f"only {exact:.2%} of elements equal F.linear's"
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(48, 64), (256, 96), (1040, 256)])  # 48, 1040: odd tile counts
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 32])
+def test_amx_linear_matches_f_linear(ops, m, n, k):
+    gen = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    packed = ops.amx_pack_weight(w)
+    x_buf = torch.randn(m, k + 32, generator=gen).bfloat16()
+    x = x_buf[:, :k]  # rows strided, as a slice of a wider activation
+    out_buf = torch.full((m, n + 16), 7.0, dtype=torch.bfloat16)
+    out = out_buf[:, :n].fill_(float("nan"))
+
+    ops.amx_linear(out, x, packed)
+
+    assert_matches_linear(out, F.linear(x, w))
+    assert torch.equal(out_buf[:, n:], torch.full((m, 16), 7.0, dtype=torch.bfloat16))
+
+
+def test_amx_pack_weight_rejects_unaligned_shapes(ops):
+    with pytest.raises(RuntimeError, match="N % 16"):
+        ops.amx_pack_weight(torch.zeros(40, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="K % 32"):
+        ops.amx_pack_weight(torch.zeros(48, 48, dtype=torch.bfloat16))
+
+
+# ---- packed bf16 linears ------------------------------------------------------------------------
+ROWS = [1, 5, AMX_MAX_ROWS, AMX_MAX_ROWS + 1, 96, 97, 300]  # decode sizes, then prefill sizes
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("n,k", [(96, 256), (40, 64)])  # 40: no AMX packing, oneDNN for all
+def test_packed_linear_equals_f_linear(ops, bias, n, k):
+    assert can_pack(torch.device("cpu"), torch.bfloat16), "oneDNN weight packing unavailable"
+    gen = torch.Generator().manual_seed(n + bias)
+    linear = nn.Linear(k, n, bias=bias).bfloat16()
+    linear.weight.data = torch.randn(n, k, generator=gen).bfloat16()
+    if bias:
+        linear.bias.data = torch.randn(n, generator=gen).bfloat16()
+    packed = PackedLinear(linear, ops)
+    # The AMX kernel rounds once with no bias to add, so biased linears stay on oneDNN.
+    amx = _amx_available() and n % 16 == 0 and k % 32 == 0 and not bias
+    assert (packed.ops is not None) == amx, "AMX kernel taken or skipped wrongly"
+    with torch.inference_mode():
+        for rows in ROWS:
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+            assert_matches_linear(packed(x), F.linear(x, linear.weight, linear.bias))
+        x = torch.randn(4, 2 * k, generator=gen).bfloat16()[:, ::2]  # columns strided
+        assert_matches_linear(packed(x), F.linear(x, linear.weight, linear.bias))
+
+
+def test_pack_linears_swaps_every_linear(ops):
+    gen = torch.Generator().manual_seed(5)
+    # 128 x 64 fits the AMX kernel; 40 x 128 (with a bias) stays on oneDNN for every size.
+    model = nn.Sequential(
+        nn.Linear(64, 128, bias=False), nn.Sequential(nn.SiLU(), nn.Linear(128, 40))
+    ).bfloat16()
+    for p in model.parameters():
+        p.data = torch.randn(p.shape, generator=gen).bfloat16()
+    xs = [torch.randn(rows, 64, generator=gen).bfloat16() for rows in (3, AMX_MAX_ROWS, 300)]
+    with torch.inference_mode():
+        want = [model(x) for x in xs]
+    assert pack_linears(model, ops) == 2
+    assert isinstance(model[0], PackedLinear) and isinstance(model[1][1], PackedLinear)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert (model[0].ops is not None) == _amx_available() and model[1][1].ops is None
+    with torch.inference_mode():
+        for x, w in zip(xs, want):
+            assert_matches_linear(model(x), w)
+
+
+# ---- the model: kernels on against kernels off --------------------------------------------------
+@pytest.fixture(scope="module")
+def kernel_model_dir(tmp_path_factory):
+    """head_dim 64 (the AVX-512 decode paths), GQA 2 over 2 KV heads, projections AMX-sized."""
+    from conftest import build_tiny_model_dir
+
+    return build_tiny_model_dir(
+        tmp_path_factory.mktemp("tiny-llama-d64"),
+        seed=3,
+        hidden_size=256,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.05,
+    )
+
+
+def _load(model_dir, dtype, ops, monkeypatch):
+    from transformers import AutoConfig
+
+    import engine.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "load_cpu_ops", lambda: ops)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    backend = TorchAttentionBackend(ops)
+    return model_runner.load_model(model_dir, hf_config, backend, dtype, torch.device("cpu"))
+
+
+class PagedRun:
+    """Drives a model step by step over its own paged cache with shuffled block tables."""
+
+    def __init__(self, model, block_size: int, num_seqs: int, max_len: int, seed: int) -> None:
+        attn = model.model.layers[0].self_attn
+        per_seq = -(max_len // -block_size)
+        num_blocks = num_seqs * per_seq + 2
+        shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        dtype = model.model.embed_tokens.weight.dtype
+        self.model, self.block_size = model, block_size
+        self.kv = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in model.model.layers
+        ]
+        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+        self.table = perm[: num_seqs * per_seq].view(num_seqs, per_seq).to(torch.int32)
+        self.computed = [0] * num_seqs
+
+    @torch.inference_mode()
+    def step(self, new_tokens: list[list[int]]) -> torch.Tensor:
+        """Appends new_tokens[i] to sequence i (none: not scheduled); logits of each last token."""
+        bs, ids, positions, slots, starts = self.block_size, [], [], [], [0]
+        batch = [i for i, toks in enumerate(new_tokens) if toks]
+        for i in batch:
+            toks = new_tokens[i]
+            pos = list(range(self.computed[i], self.computed[i] + len(toks)))
+            ids += toks
+            positions += pos
+            slots += [int(self.table[i, p // bs]) * bs + p % bs for p in pos]
+            starts.append(starts[-1] + len(toks))
+            self.computed[i] += len(toks)
+        query_lens = [len(new_tokens[i]) for i in batch]
+        seq_lens = [self.computed[i] for i in batch]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=self.table[batch],
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv)
+        return self.model.compute_logits(hidden[[s - 1 for s in starts[1:]]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_model_logits_with_kernels_match_torch_ops(ops, kernel_model_dir, monkeypatch, dtype):
+    """Prefill, decode steps (both AVX-512 decode paths) and a mixed step, kernels on vs off."""
+    on = _load(kernel_model_dir, dtype, ops, monkeypatch)
+    off = _load(kernel_model_dir, dtype, None, monkeypatch)
+    assert on.ops is ops and off.ops is None
+    if dtype == torch.bfloat16:  # packed linears either way; the AMX kernel only with ops
+        assert isinstance(on.model.layers[0].mlp.down_proj, PackedLinear)
+        assert (on.model.layers[0].mlp.down_proj.ops is not None) == _amx_available()
+        assert off.model.layers[0].mlp.down_proj.ops is None
+    gen = torch.Generator().manual_seed(7)
+    prompt_lens = [3, 16, 21, 40, 9]  # five sequences: the per-sequence decode path
+    tokens = lambda n: torch.randint(3, 259, (n,), generator=gen).tolist()
+    steps = [[tokens(n) for n in prompt_lens]]  # prefill
+    steps += [[tokens(1) for _ in prompt_lens] for _ in range(2)]  # decode-only
+    steps += [[[], tokens(1), [], tokens(1), []]]  # two decodes: the per-(seq, kv head) path
+    steps += [[tokens(6)] + [tokens(1) for _ in prompt_lens[1:]]]  # a chunk among decodes
+    runs = [PagedRun(m, 16, len(prompt_lens), 64, seed=4) for m in (on, off)]
+    with num_threads(THREADS):
+        for step in steps:
+            got, want = (run.step(step) for run in runs)
+            scale = want.abs().max().item()
+            assert scale > 1.0, "degenerate logits"
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * scale)
+            else:
+                rel = ((got - want).norm() / want.norm()).item()
+                assert rel < 2e-2, f"bf16 logits relative error {rel:.3g}"
+                torch.testing.assert_close(got, want, rtol=0, atol=0.05 * scale)
+
+
+def test_llm_greedy_tokens_kernels_on_equal_off(kernel_model_dir, ops, monkeypatch):
+    """End to end through engine.llm.LLM in float32: the same greedy tokens either way."""
+    from conftest import make_prompts
+
+    import engine.model_runner as model_runner
+    import kernels.cpu_ops as cpu_ops
+    from engine import LLM, SamplingParams
+
+    prompts = make_prompts(5, seed=6, max_len=30)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for name, loaded in (("on", ops), ("off", None)):
+        monkeypatch.setattr(model_runner, "load_cpu_ops", lambda loaded=loaded: loaded)
+        monkeypatch.setattr(cpu_ops, "load_cpu_ops", lambda loaded=loaded: loaded)
+        with num_threads(THREADS):
+            llm = LLM(str(kernel_model_dir), dtype="float32")
+            assert llm.engine.runner.model.ops is loaded
+            assert llm.engine.runner.backend.ops is loaded
+            res = llm.generate(prompts, params, use_tqdm=False)
+        outs[name] = [o.outputs[0].token_ids for o in res]
+    assert all(len(t) == 6 for t in outs["on"])
+    assert outs["on"] == outs["off"]
+
+
+def test_rope_frequencies_stay_float32_when_the_model_is_cast():
+    from engine.models.llama import RotaryEmbedding
+
+    rope = RotaryEmbedding(64, 10000.0)
+    want = rope.inv_freq.clone()
+    rope = rope.to(torch.bfloat16)
+    assert rope.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(rope.inv_freq, want, rtol=0, atol=0)
+    cache = rope.cos_sin_cache(1001, torch.bfloat16)
+    angle = 1000 * want[1]  # position 1000, second frequency, from float32 frequencies
+    assert abs(cache[1000, 1].float().item() - torch.cos(angle).item()) < 1e-2
