@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
+#include <algorithm>
 #include <vector>
 
 namespace {
@@ -630,72 +632,83 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
   const int64_t m = x.size(0), k = x.size(1), nt = packed.size(0), kt = packed.size(1);
   TORCH_CHECK(kt * 32 == k && out.size(1) == nt * 16 && out.size(0) == m, "shapes");
   const int64_t m_pad = (m + 15) / 16 * 16;
-  // A tiles read 16 full rows: copy x into a zero-padded [m_pad, K] buffer.
-  std::vector<c10::BFloat16> xbuf(m_pad * k, c10::BFloat16(0.0f));
+  // A tiles read 16 full rows straight from x; a last partial tile reads a zero-padded copy.
   const auto* xp = x.data_ptr<c10::BFloat16>();
-  for (int64_t r = 0; r < m; ++r)
-    std::memcpy(xbuf.data() + r * k, xp + r * x.stride(0), k * sizeof(c10::BFloat16));
+  const int64_t ldx = x.stride(0), full_rows = m / 16 * 16;
+  std::vector<c10::BFloat16> tail(16 * k, c10::BFloat16(0.0f));
+  for (int64_t r = full_rows; r < m; ++r)
+    std::memcpy(tail.data() + (r - full_rows) * k, xp + r * ldx, k * sizeof(c10::BFloat16));
+  auto a_tile = [&](int64_t m0) -> std::pair<const c10::BFloat16*, int64_t> {
+    if (m0 < full_rows) return {xp + m0 * ldx, ldx * 2};
+    return {tail.data(), k * 2};
+  };
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t os = out.stride(0);
   const int64_t n_chunks = (nt + 1) / 2;  // 32 output columns (two B tiles) per chunk
-  at::parallel_for(0, n_chunks, 1, [&](int64_t begin, int64_t end) {
-    amx_configure();
-    alignas(64) float cbuf[4][16 * 16];
-    for (int64_t chunk = begin; chunk < end; ++chunk) {
-      const int64_t n0 = chunk * 2;
-      const bool two = n0 + 1 < nt;
-      const c10::BFloat16* b0 = wp + n0 * kt * 512;
-      const c10::BFloat16* b1 = b0 + kt * 512;
-      for (int64_t m0 = 0; m0 < m_pad; m0 += 32) {
-        const bool two_m = m0 + 16 < m_pad;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        const c10::BFloat16* a0 = xbuf.data() + m0 * k;
-        const c10::BFloat16* a1 = a0 + 16 * k;
-        for (int64_t kb = 0; kb < kt; ++kb) {
-          if (m0 == 0 && kb + kPrefetchTiles < kt) {  // B streams from memory: fetch ahead
-            const char* f0 = reinterpret_cast<const char*>(b0 + (kb + kPrefetchTiles) * 512);
-            const char* f1 = reinterpret_cast<const char*>(b1 + (kb + kPrefetchTiles) * 512);
-            for (int line = 0; line < 1024; line += 64) {
-              _mm_prefetch(f0 + line, _MM_HINT_T0);
-              if (two) _mm_prefetch(f1 + line, _MM_HINT_T0);
+  // Rows go in passes small enough for their slice of x to stay in L2 while every weight
+  // chunk streams past it; within a pass each thread owns a range of output columns.
+  const int64_t rows_per_pass = std::max<int64_t>(32, (256 * 1024 / (2 * k)) / 32 * 32);
+  for (int64_t pass = 0; pass < m_pad; pass += rows_per_pass) {
+    const int64_t pass_end = std::min(m_pad, pass + rows_per_pass);
+    at::parallel_for(0, n_chunks, 1, [&](int64_t begin, int64_t end) {
+      amx_configure();
+      alignas(64) float cbuf[4][16 * 16];
+      for (int64_t chunk = begin; chunk < end; ++chunk) {
+        const int64_t n0 = chunk * 2;
+        const bool two = n0 + 1 < nt;
+        const c10::BFloat16* b0 = wp + n0 * kt * 512;
+        const c10::BFloat16* b1 = b0 + kt * 512;
+        for (int64_t m0 = pass; m0 < pass_end; m0 += 32) {
+          const bool two_m = m0 + 16 < pass_end;
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          const auto [a0, lda0] = a_tile(m0);
+          const auto [a1, lda1] = two_m ? a_tile(m0 + 16) : a_tile(m0);
+          for (int64_t kb = 0; kb < kt; ++kb) {
+            if (m0 == pass && kb + kPrefetchTiles < kt) {  // B streams from memory: fetch ahead
+              const char* f0 = reinterpret_cast<const char*>(b0 + (kb + kPrefetchTiles) * 512);
+              const char* f1 = reinterpret_cast<const char*>(b1 + (kb + kPrefetchTiles) * 512);
+              for (int line = 0; line < 1024; line += 64) {
+                _mm_prefetch(f0 + line, _MM_HINT_T0);
+                if (two) _mm_prefetch(f1 + line, _MM_HINT_T0);
+              }
+            }
+            _tile_loadd(4, a0 + kb * 32, lda0);
+            _tile_loadd(6, b0 + kb * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two) {
+              _tile_loadd(7, b1 + kb * 512, 64);
+              _tile_dpbf16ps(1, 4, 7);
+            }
+            if (two_m) {
+              _tile_loadd(5, a1 + kb * 32, lda1);
+              _tile_dpbf16ps(2, 5, 6);
+              if (two) _tile_dpbf16ps(3, 5, 7);
             }
           }
-          _tile_loadd(4, a0 + kb * 32, k * 2);
-          _tile_loadd(6, b0 + kb * 512, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          if (two) {
-            _tile_loadd(7, b1 + kb * 512, 64);
-            _tile_dpbf16ps(1, 4, 7);
-          }
+          _tile_stored(0, cbuf[0], 64);
+          if (two) _tile_stored(1, cbuf[1], 64);
           if (two_m) {
-            _tile_loadd(5, a1 + kb * 32, k * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            if (two) _tile_dpbf16ps(3, 5, 7);
+            _tile_stored(2, cbuf[2], 64);
+            if (two) _tile_stored(3, cbuf[3], 64);
           }
-        }
-        _tile_stored(0, cbuf[0], 64);
-        if (two) _tile_stored(1, cbuf[1], 64);
-        if (two_m) {
-          _tile_stored(2, cbuf[2], 64);
-          if (two) _tile_stored(3, cbuf[3], 64);
-        }
-        for (int64_t mi = 0; mi < 2; ++mi) {
-          for (int64_t r = 0; r < 16; ++r) {
-            const int64_t row = m0 + mi * 16 + r;
-            if (row >= m) break;
-            c10::BFloat16* orow = op + row * os + n0 * 16;
-            store16(orow, _mm512_loadu_ps(cbuf[mi * 2] + r * 16));
-            if (two) store16(orow + 16, _mm512_loadu_ps(cbuf[mi * 2 + 1] + r * 16));
+          for (int64_t mi = 0; mi < 2; ++mi) {
+            for (int64_t r = 0; r < 16; ++r) {
+              const int64_t row = m0 + mi * 16 + r;
+              if (row >= m || (mi == 1 && !two_m)) break;
+              c10::BFloat16* orow = op + row * os + n0 * 16;
+              store16(orow, _mm512_loadu_ps(cbuf[mi * 2] + r * 16));
+              if (two) store16(orow + 16, _mm512_loadu_ps(cbuf[mi * 2 + 1] + r * 16));
+            }
           }
         }
       }
-    }
-    _tile_release();
-  });
+      _tile_release();
+    });
+  }
 #else
   TORCH_CHECK(false, "built without AMX support");
 #endif
