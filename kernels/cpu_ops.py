@@ -2,9 +2,10 @@
 
     ops = load_cpu_ops()   # torch.ops.pagedserve_cpu, or None: use the torch ops instead
 
-The build lands in $PAGEDSERVE_CACHE/kernels/<hash of source, torch, CPU flags>, so a second
-start loads it in well under a second; a machine without a C++ compiler logs one warning and
-serves on the plain torch path. PAGEDSERVE_CPU_KERNELS=0 turns the kernels off.
+The build lands in $PAGEDSERVE_CACHE/kernels/<hash of source, torch, CPU flags> (or under the
+temp dir when the cache is read-only, as in the CPU image), so a second start loads it in well
+under a second; a machine without a C++ compiler logs one warning and serves on the plain torch
+path. PAGEDSERVE_CPU_KERNELS=0 turns the kernels off.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import hashlib
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -36,7 +38,6 @@ def load_cpu_ops():
         from torch.utils.cpp_extension import load
 
         build_dir = _build_dir()
-        build_dir.mkdir(parents=True, exist_ok=True)
         load(
             name="pagedserve_cpu_ops",
             sources=[str(SOURCE)],
@@ -60,7 +61,16 @@ def _build_dir() -> Path:
     key.update(torch.__version__.encode())
     key.update(" ".join(_FLAGS).encode())
     key.update(_cpu_flags().encode())
-    return default_cache_dir() / "kernels" / key.hexdigest()[:16]
+    name = key.hexdigest()[:16]
+    for root in (default_cache_dir() / "kernels", Path(tempfile.gettempdir()) / "pagedserve"):
+        try:
+            (root / name).mkdir(parents=True, exist_ok=True)
+            probe = root / name / ".writable"
+            probe.touch()
+            return root / name
+        except OSError:
+            continue
+    raise OSError("no writable directory for the kernel build")
 
 
 def _cpu_flags() -> str:
