@@ -14,6 +14,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def load_cpu_ops():
         from torch.utils.cpp_extension import load
 
         build_dir = _build_dir()
+        _ensure_ninja_on_path()
         load(
             name="pagedserve_cpu_ops",
             sources=[str(SOURCE)],
@@ -51,6 +53,17 @@ def load_cpu_ops():
         logger.warning("CPU kernels unavailable, using plain torch ops (%s)", exc)
         return None
     return torch.ops.pagedserve_cpu
+
+
+def _ensure_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pip-installed one sits beside python, maybe not there."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def _build_dir() -> Path:

@@ -81,6 +81,14 @@ inline void store16(c10::BFloat16* p, __m512 v) {
 template <typename T>
 constexpr bool kVec = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
 
+// v rounded to bf16 precision (nearest even), kept as float32.
+inline __m512 round_bf16(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 // exp_approx on 16 lanes.
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
@@ -231,11 +239,7 @@ void silu_mul_row(T* out, const T* gate, const T* up, int64_t n) {
     for (; i + 16 <= n; i += 16) {
       __m512 g = load16(gate + i);
       __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      if constexpr (!std::is_same_v<T, float>) {  // silu rounded to dtype, as torch stores it
-        T tmp[16];
-        store16(tmp, s);
-        s = load16(tmp);
-      }
+      if constexpr (!std::is_same_v<T, float>) s = round_bf16(s);  // as torch stores silu
       store16(out + i, _mm512_mul_ps(s, load16(up + i)));
     }
   }
