@@ -8,6 +8,7 @@
 #
 #   bash bench/peers.sh                       # std and prefix, all peers
 #   WORKLOADS="std" PEERS="pagedserve vllm" NUM_REQUESTS=16 bash bench/peers.sh   # quick look
+#   PAGEDSERVE_ARGS="--max-num-batched-tokens 1024" ...   # extra flags for pagedserve serve
 #   CLIENT=vllm bash bench/peers.sh           # drive the servers with `vllm bench serve` instead
 #                                             # (vLLM's own client; hf-static keeps its own loop)
 set -euo pipefail
@@ -74,7 +75,8 @@ run_vllm_client() {  # $1: label, $2: workload; the same shapes through vLLM's b
 
 start_pagedserve() {
   "$PY" -m server.cli serve "$MODEL_DIR" --served-model-name bench --dtype bfloat16 \
-    --max-model-len 2048 --port "$PORT" --log-level warning >"$OUT/pagedserve.log" 2>&1 &
+    --max-model-len 2048 --port "$PORT" --log-level warning ${PAGEDSERVE_ARGS:-} \
+    >"$OUT/pagedserve.log" 2>&1 &
   SERVER_PID=$!
 }
 
