@@ -6,9 +6,10 @@ raw logits --> logprobs (of the raw distribution, for requests that asked)
 processed --> greedy rows: argmax
     | / temperature, min-p, top-k, top-p
     v
-probs --> random rows: argmax(probs / q), q ~ Exp(1) (the exponential race: a categorical
-          draw). Seeded requests draw q from their own torch.Generator, one full row per
-          step, so their tokens do not depend on what else is in the batch.
+probs --> random rows: inverse CDF, the first token whose cumulative probability exceeds
+          u * total, u ~ U(0, 1) (a categorical draw). Seeded requests draw u from their own
+          torch.Generator, one number per step, so their tokens do not depend on what else
+          is in the batch.
 """
 
 from __future__ import annotations
@@ -79,15 +80,31 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         probs = sampling_probs(logits, params)  # [N, vocab]
-        q = torch.empty_like(probs).exponential_()  # unseeded rows share the global RNG
+        u = torch.rand(len(requests), 1, device=logits.device)  # unseeded rows: global RNG
         for i, req in enumerate(requests):
             gen = None if params[i].greedy else self.generator_for(req.request_id, params[i])
             if gen is not None:
-                q[i].exponential_(generator=gen)
-        random = probs.div_(q).argmax(dim=-1)
+                u[i].uniform_(generator=gen)
+        random = sample_inverse_cdf(probs, u)
         if not any(p.greedy for p in params):
             return random
         return torch.where(greedy, logits.argmax(dim=-1), random)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:  # [N]
+    """One categorical draw per row from one uniform u per row: the first token whose
+    cumulative probability exceeds u * total. O(vocab) like the exponential race, but one
+    random number per row instead of one per vocabulary entry (~50x cheaper on CPU), and a
+    seeded request still consumes exactly one draw of its own generator per step.
+    """
+    cdf = probs.cumsum(dim=-1)  # [N, vocab]
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [N, 1]
+    idx = idx.clamp_(max=probs.shape[-1] - 1)
+    # u * total rounding up to the total would land on the last token: take the mode instead.
+    zero = probs.gather(-1, idx) == 0
+    if bool(zero.any()):
+        idx = torch.where(zero, probs.argmax(dim=-1, keepdim=True), idx)
+    return idx.squeeze(-1)
 
 
 # ---- logits processors (apply to greedy rows too) ----------------------------------------------

@@ -216,3 +216,17 @@ def test_engine_penalties_and_bias_change_greedy_output(llm):
         assert got != base and len(set(got)) > len(set(base)), kw
     biased = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logit_bias={42: 100})
     assert llm.generate([prompt], biased, use_tqdm=False)[0].outputs[0].token_ids == [42] * 4
+
+
+def test_inverse_cdf_draws_follow_the_distribution_and_skip_zeros():
+    from engine.sampler import sample_inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0]]).repeat(20000, 1)
+    gen = torch.Generator().manual_seed(0)
+    drawn = sample_inverse_cdf(probs, torch.rand(20000, 1, generator=gen))
+    freq = torch.bincount(drawn, minlength=6).float() / 20000
+    assert freq[[0, 2, 5]].sum() == 0  # zero-probability tokens are never drawn
+    torch.testing.assert_close(freq, probs[0], atol=0.015, rtol=0)
+    # the ends of [0, 1): u = 0 takes the first possible token, u -> 1 the last possible one
+    edges = sample_inverse_cdf(probs[:2], torch.tensor([[0.0], [1.0 - 2**-24]]))
+    assert edges.tolist() == [1, 4]

@@ -128,6 +128,12 @@ void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
   }
 }
 
+// Rows per task for elementwise kernels: ~64K elements, so a decode-sized batch runs inline
+// instead of waking the thread pool (a parallel region costs more than the work).
+inline int64_t row_grain(int64_t elements_per_row) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, elements_per_row));
+}
+
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
@@ -144,7 +150,7 @@ void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0), os = out.stride(0);
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         rms_norm_row(op + r * os, xp + r * xs, wp, n, static_cast<float>(eps));
     });
@@ -174,7 +180,7 @@ void fused_add_rms_norm(
         scalar_t* rp = residual.data_ptr<scalar_t>();
         const scalar_t* wp = weight.data_ptr<scalar_t>();
         const int64_t xs = x.stride(0), rs = residual.stride(0);
-        at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+        at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
           for (int64_t r = begin; r < end; ++r)
             add_rms_norm_row(xp + r * xs, rp + r * rs, wp, n, static_cast<float>(eps));
         });
@@ -220,7 +226,7 @@ void rotary_embedding(
         const scalar_t* cp = cos_sin_cache.data_ptr<scalar_t>();
         const int64_t* pos = positions.data_ptr<int64_t>();
         const int64_t qs = q.stride(0), ks = k.stride(0), hq = q.size(1), hk = k.size(1);
-        at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+        at::parallel_for(0, tokens, row_grain((hq + hk) * d), [&](int64_t begin, int64_t end) {
           for (int64_t t = begin; t < end; ++t) {
             const scalar_t* cs = cp + pos[t] * d;
             rope_heads(qp + t * qs, hq, d, cs);
@@ -262,7 +268,7 @@ void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0), os = out.stride(0);
-    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, row_grain(2 * inter), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         silu_mul_row(op + r * os, xp + r * xs, xp + r * xs + inter, inter);
     });
