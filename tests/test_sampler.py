@@ -230,3 +230,22 @@ def test_inverse_cdf_draws_follow_the_distribution_and_skip_zeros():
     # the ends of [0, 1): u = 0 takes the first possible token, u -> 1 the last possible one
     edges = sample_inverse_cdf(probs[:2], torch.tensor([[0.0], [1.0 - 2**-24]]))
     assert edges.tolist() == [1, 4]
+
+
+@pytest.mark.parametrize("k", [None, 5, 300, 2000])
+def test_top_p_candidates_path_equals_full_sort(k):
+    from engine.sampler import _top_k_top_p_sorted, apply_top_k_top_p
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 4096
+    # peaked rows end their nucleus among the best 256; flat rows need the full sort
+    logits = torch.cat([torch.randn(6, vocab, generator=gen) * 6, torch.randn(6, vocab) * 0.1])
+    top_ps = torch.tensor([0.5, 0.9, 0.99, 1.0, 0.3, 0.95] * 2)
+    ks = None if k is None else torch.full((12,), k)
+    got = apply_top_k_top_p(logits, ks, top_ps)
+    want = _top_k_top_p_sorted(logits, ks, top_ps)
+    assert torch.equal(got.isinf(), want.isinf())  # the same tokens survive
+    kept = ~want.isinf()
+    assert torch.equal(got[kept], logits[kept])
+    if k is None:
+        assert kept[6:].sum(dim=-1).min() > 256  # the flat rows did take the sorted path
