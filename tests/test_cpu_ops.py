@@ -533,3 +533,26 @@ def test_rope_frequencies_stay_float32_when_the_model_is_cast():
     cache = rope.cos_sin_cache(1001, torch.bfloat16)
     angle = 1000 * want[1]  # position 1000, second frequency, from float32 frequencies
     assert abs(cache[1000, 1].float().item() - torch.cos(angle).item()) < 1e-2
+
+
+def test_index_arrays_out_of_range_are_refused(ops):
+    q = torch.randn(3, 4, 64)
+    k = torch.randn(3, 2, 64)
+    cache = torch.randn(8, 64)
+    for bad in ([0, 8, 1], [0, -1, 1]):  # past the cache, negative
+        with pytest.raises(RuntimeError, match="position outside the cache"):
+            ops.rotary_embedding(torch.tensor(bad), q, k, cache)
+    k_cache = torch.randn(4, 16, 2, 64)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    out = torch.empty(2, 4, 64)
+    for bad in ([5, 33], [0, 7]):  # longer than two blocks of 16, empty
+        with pytest.raises(RuntimeError, match="seq_lens must be in"):
+            ops.paged_attention_decode(
+                out,
+                torch.randn(2, 4, 64),
+                k_cache,
+                k_cache,
+                table,
+                torch.tensor(bad, dtype=torch.int32),
+                0.125,
+            )

@@ -59,6 +59,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.base = head_dim, base
         self.register_buffer("inv_freq", self._inv_freq(torch.device("cpu")), persistent=False)
+        self._cache: torch.Tensor | None = None  # cos_sin_cache(), grown on demand
 
     def _inv_freq(self, device: torch.device) -> torch.Tensor:
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
@@ -77,7 +78,7 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin_cache(self, max_len: int, dtype: torch.dtype) -> torch.Tensor:
         """[>= max_len, D] = cos | sin of the half-dim frequencies, as forward() rounds them."""
-        cache = getattr(self, "_cache", None)
+        cache = self._cache
         if cache is None or cache.shape[0] < max_len or cache.dtype != dtype:
             n = max(max_len, 2 * (0 if cache is None else cache.shape[0]), 256)
             freqs = torch.arange(n, device=self.inv_freq.device).float()[:, None] * self.inv_freq

@@ -134,6 +134,14 @@ inline int64_t row_grain(int64_t elements_per_row) {
   return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, elements_per_row));
 }
 
+// Bounds checks on the raw index arrays: a plain loop, no tensor reductions on the hot path.
+template <typename I>
+bool all_in_range(const I* v, int64_t n, int64_t lo, int64_t hi) {
+  for (int64_t i = 0; i < n; ++i)
+    if (v[i] < lo || v[i] > hi) return false;
+  return true;
+}
+
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
@@ -215,10 +223,9 @@ void rotary_embedding(
   TORCH_CHECK(k.size(0) == q.size(0) && positions.numel() == q.size(0), "one position per token");
   TORCH_CHECK(q.size(2) % 2 == 0, "head_dim must be even");
   const int64_t tokens = q.size(0), d = q.size(2);
-  if (tokens > 0) {
-    const int64_t max_pos = positions.max().item<int64_t>(), min_pos = positions.min().item<int64_t>();
-    TORCH_CHECK(min_pos >= 0 && max_pos < cos_sin_cache.size(0), "position outside the cache");
-  }
+  TORCH_CHECK(
+      all_in_range(positions.data_ptr<int64_t>(), tokens, 0, cos_sin_cache.size(0) - 1),
+      "position outside the cache");
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
         scalar_t* qp = q.data_ptr<scalar_t>();
@@ -557,12 +564,9 @@ void paged_attention_decode(
       out.scalar_type() == query.scalar_type() && k_cache.scalar_type() == query.scalar_type() &&
           v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
       "dtypes and cache shapes must agree");
-  if (batch > 0) {
-    const int64_t max_len = seq_lens.max().item<int32_t>();
-    TORCH_CHECK(
-        seq_lens.min().item<int32_t>() >= 1 && max_len <= block_table.size(1) * block_size,
-        "seq_lens must be in [1, max_blocks * block_size]");
-  }
+  TORCH_CHECK(
+      all_in_range(seq_lens.data_ptr<int32_t>(), batch, 1, block_table.size(1) * block_size),
+      "seq_lens must be in [1, max_blocks * block_size]");
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_decode", [&] {
         const scalar_t* qp = query.data_ptr<scalar_t>();
