@@ -239,11 +239,22 @@ def _case_id(case) -> str:
     return f"{path}-bs{bs}-h{h}/{hkv}-d{d}-b{len(lens)}"
 
 
-def _run_decode(ops, case, dtype, seed=0):
+@contextlib.contextmanager
+def amx_decode(ops, enabled: bool):
+    """bf16 decode attention on AMX (the default where it applies) or on the AVX-512 paths."""
+    previous = ops.set_amx_decode(enabled)
+    try:
+        yield
+    finally:
+        ops.set_amx_decode(previous)
+
+
+def _run_decode(ops, case, dtype, seed=0, amx=False):
     path, block_size, heads, kv_heads, head_dim, seq_lens = case
     batch = len(seq_lens)
-    expect_per_seq = head_dim in (64, 128) and batch >= 2 * THREADS and dtype != torch.float16
-    assert (path == "per-seq") == expect_per_seq, "case list out of step with the dispatch rule"
+    if not path.startswith("amx"):
+        expect_per_seq = head_dim in (64, 128) and batch >= 2 * THREADS and dtype != torch.float16
+        assert (path == "per-seq") == expect_per_seq, "case list out of step with the dispatch"
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_table = make_paged(block_size, kv_heads, head_dim, seq_lens, dtype, gen)
     # query: a strided view (as q out of a fused qkv): padded heads and head rows.
@@ -254,7 +265,7 @@ def _run_decode(ops, case, dtype, seed=0):
     scale = head_dim**-0.5
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
 
-    with num_threads(THREADS):
+    with num_threads(THREADS), amx_decode(ops, amx):
         ops.paged_attention_decode(out, query, k_cache, v_cache, block_table, seq_lens_t, scale)
 
     f32 = [t.float() for t in (query, k_cache, v_cache)]
@@ -281,6 +292,33 @@ def test_paged_decode_bfloat16(ops, case):
     # Inputs are exact in bf16 and the kernel accumulates in float32: one output rounding.
     torch.testing.assert_close(out.float(), want, rtol=0, atol=2e-2)
     torch.testing.assert_close(out.float(), want, rtol=ULP[torch.bfloat16], atol=1e-3)
+
+
+# AMX applies to bf16 with block_size % 16 == 0, head_dim % 64 == 0 and <= 16 query heads per KV
+# head; one task per sequence when batch >= 2 * threads, else one per (sequence, KV head).
+AMX_DECODE_CASES = [
+    ("amx-per-seq", 16, 8, 2, 64, [1, 16, 17, 40, 64, 5]),  # GQA 4, lengths on/off boundaries
+    ("amx-per-seq", 16, 9, 3, 64, [677, 31, 2, 130]),  # SmolLM2's shapes, a long context
+    ("amx-per-seq", 32, 10, 2, 128, [33, 95, 64, 1]),  # GQA 5 (4 + 1 heads), two 64-dim passes
+    ("amx-per-seq", 16, 4, 4, 64, [300, 7, 16, 33]),  # MHA
+    ("amx-per-head", 16, 4, 1, 128, [300, 7]),  # MQA
+    ("amx-per-head", 16, 16, 1, 64, [49]),  # 16 query heads on one KV head: a full tile
+]
+
+
+@needs_amx
+@pytest.mark.parametrize("case", AMX_DECODE_CASES, ids=_case_id)
+def test_paged_decode_bfloat16_amx(ops, case):
+    """The AMX kernel rounds the softmax numerators to bf16 before P x V (as flash attention
+    does), so it sits within a few bf16 ulps of the float32 result, not one rounding."""
+    out, want, _ = _run_decode(ops, case, torch.bfloat16, seed=4, amx=True)
+    assert not out.isnan().any(), "unwritten or NaN-contaminated output"
+    torch.testing.assert_close(out.float(), want, rtol=ULP[torch.bfloat16], atol=4e-3)
+    err = (out.float() - want).abs()
+    assert err.mean().item() < 5e-4, "mean error beyond what rounding P to bf16 explains"
+    # the AMX kernel ran: the AVX-512 paths (float32 probabilities) differ in some bits
+    avx, _, _ = _run_decode(ops, case, torch.bfloat16, seed=4, amx=False)
+    assert not torch.equal(out, avx), "AMX switched on but the output is the AVX-512 path's"
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

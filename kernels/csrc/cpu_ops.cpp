@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <utility>
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 namespace {
@@ -109,6 +110,45 @@ inline __m512 exp16(__m512 x) {
 #else
 template <typename T>
 constexpr bool kVec = false;
+#endif
+
+// ---- AMX basics (tile config, per-process permission) ------------------------------------
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEDSERVE_AMX 1
+
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_permitted() {
+  // Linux hands out AMX state per process on request (ARCH_REQ_XCOMP_PERM, XTILEDATA).
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// GCC models ldtilecfg's operand narrower than the 64-byte config and may drop the stores to
+// rows / colsb as dead; handing the address to an empty asm with a memory clobber keeps them.
+inline void load_tile_config(const TileConfig& cfg) {
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+constexpr int64_t kPrefetchTiles = 8;
+
+void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  load_tile_config(cfg);
+}
 #endif
 
 template <typename T>
@@ -485,6 +525,191 @@ void decode_seq_vec(
 }
 #endif
 
+#ifdef PAGEDSERVE_AMX
+// ---- decode attention on AMX (bf16, head_dim % 32 == 0, block_size % 16 == 0) ------------
+// Per (sequence, KV head), with G = query heads per KV head:
+//   scores^T [16 tokens, G] = K rows (an A tile read straight from the cache, row stride =
+//     the token stride) x q^T (a B tile: row r holds q[g][2r], q[g][2r+1] for each g);
+//   softmax over tokens in float32, probabilities rounded to bf16 (as flash attention does);
+//   out [G, 16 dims] += P [G, 32 tokens] x V (a B tile: two tokens' values interleaved per
+//     dim, built from the cache rows with one permute per 16 dims; tokens past the end are 0).
+// Tile registers: 0 K / V tile, 1 q^T, 2 scores, 3 P, 4-7 output accumulators.
+struct DecodeAmxScratch {
+  std::vector<float> scores;          // one head's scores, [len_pad]
+  std::vector<float> inv_sum;         // [heads, G]
+  std::vector<c10::BFloat16> probs;   // [heads, G, len_pad]
+  std::vector<c10::BFloat16> qt;      // [heads, D / 32, 16, G * 2]
+  std::vector<float> st;              // scores as the tiles hold them: [heads, len_pad, G]
+  std::vector<c10::BFloat16> vt;      // V in B-tile layout: [heads, chunk, D / 16, 16, 32]
+  alignas(64) float obuf[4][16 * 16];
+};
+
+inline void amx_configure_decode(int64_t group) {
+  TileConfig cfg;
+  cfg.rows[0] = 16, cfg.colsb[0] = 64;
+  cfg.rows[1] = 16, cfg.colsb[1] = static_cast<uint16_t>(4 * group);
+  cfg.rows[2] = 16, cfg.colsb[2] = static_cast<uint16_t>(4 * group);
+  for (int t = 3; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(group), cfg.colsb[t] = 64;
+  load_tile_config(cfg);
+}
+
+// out[g, d0:d0+64] for NG query heads of one KV head: P [NG, len] (bf16 pairs) x V, with
+// AVX512-BF16 dot products and the 4 x NG accumulators in registers. Per pair of tokens the
+// two value rows are interleaved (one permute per 16 dims) and each head's (p[2t], p[2t+1])
+// is broadcast. `rows_at(t0)` gives the 16 rows from token t0 (they lie in one block).
+template <int NG, typename RowsAt>
+inline void pv_bf16(
+    c10::BFloat16* out, int64_t out_head_stride, const c10::BFloat16* probs, int64_t len_pad,
+    const float* inv_sum, RowsAt rows_at, int64_t len, int64_t token_stride) {
+  const __m512i lo_idx = _mm512_set_epi16(
+      47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
+      35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  __m512 acc[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+  const int32_t* pp[NG];  // (p[2t], p[2t+1]) pairs as 32-bit words
+  for (int g = 0; g < NG; ++g) pp[g] = reinterpret_cast<const int32_t*>(probs + g * len_pad);
+  auto step = [&](const c10::BFloat16* ra, const c10::BFloat16* rb, int64_t pair) {
+    const __m512i a0 = _mm512_loadu_si512(ra), a1 = _mm512_loadu_si512(ra + 32);
+    const __m512i b0 = rb ? _mm512_loadu_si512(rb) : _mm512_setzero_si512();
+    const __m512i b1 = rb ? _mm512_loadu_si512(rb + 32) : _mm512_setzero_si512();
+    const __m512bh v0 = (__m512bh)_mm512_permutex2var_epi16(a0, lo_idx, b0);
+    const __m512bh v1 = (__m512bh)_mm512_permutex2var_epi16(a0, hi_idx, b0);
+    const __m512bh v2 = (__m512bh)_mm512_permutex2var_epi16(a1, lo_idx, b1);
+    const __m512bh v3 = (__m512bh)_mm512_permutex2var_epi16(a1, hi_idx, b1);
+    for (int g = 0; g < NG; ++g) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(pp[g][pair]);
+      acc[g][0] = _mm512_dpbf16_ps(acc[g][0], p, v0);
+      acc[g][1] = _mm512_dpbf16_ps(acc[g][1], p, v1);
+      acc[g][2] = _mm512_dpbf16_ps(acc[g][2], p, v2);
+      acc[g][3] = _mm512_dpbf16_ps(acc[g][3], p, v3);
+    }
+  };
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const c10::BFloat16* rows = rows_at(t0);
+    const int64_t n = std::min<int64_t>(16, len - t0);
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2)
+      step(rows + i * token_stride, rows + (i + 1) * token_stride, (t0 + i) / 2);
+    if (i < n) step(rows + i * token_stride, nullptr, (t0 + i) / 2);  // odd last token
+  }
+  for (int g = 0; g < NG; ++g) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+    for (int c = 0; c < 4; ++c)
+      store16(out + g * out_head_stride + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+  }
+}
+
+void decode_heads_amx(
+    c10::BFloat16* out, int64_t out_head_stride, const c10::BFloat16* q, int64_t q_head_stride,
+    const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int32_t* blocks,
+    int64_t len, int64_t block_size, int64_t kv_heads, int64_t h0, int64_t h1, int64_t group,
+    int64_t d, float scale, DecodeAmxScratch& s) {
+  const int64_t token_stride = kv_heads * d, len_pad = (len + 31) / 32 * 32;
+  const int64_t kchunks = d / 32, nh = h1 - h0, qt_size = 16 * group * 2;
+  // The 16 rows starting at token t0 (a multiple of 16) lie in one block: heads h0..h1-1.
+  auto rows_at = [&](const c10::BFloat16* cache, int64_t t0) {
+    const int64_t slot = static_cast<int64_t>(blocks[t0 / block_size]) * block_size + t0 % block_size;
+    return cache + slot * token_stride + h0 * d;
+  };
+  auto prefetch_rows = [&](const c10::BFloat16* rows, auto hint) {  // 16 rows x these heads
+    const char* p = reinterpret_cast<const char*>(rows);
+    for (int64_t r = 0; r < 16; ++r, p += token_stride * 2)
+      for (int64_t b = 0; b < nh * d * 2; b += 64) _mm_prefetch(p + b, hint);
+  };
+  // q^T in B-tile layout: [head][32-dim chunk] tiles whose row r is (q[g][2r], q[g][2r+1])_g.
+  s.qt.resize(nh * kchunks * qt_size);
+  for (int64_t h = 0; h < nh; ++h)
+    for (int64_t c = 0; c < kchunks; ++c)
+      for (int64_t r = 0; r < 16; ++r)
+        for (int64_t g = 0; g < group; ++g) {
+          const c10::BFloat16* qg = q + ((h0 + h) * group + g) * q_head_stride + 32 * c + 2 * r;
+          c10::BFloat16* dst = s.qt.data() + (h * kchunks + c) * qt_size + r * group * 2 + 2 * g;
+          dst[0] = qg[0];
+          dst[1] = qg[1];
+        }
+  // scores^T, 16 tokens per tile, kept as the tiles hold them: [head][len_pad][G].
+  s.st.resize(nh * len_pad * group);
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const c10::BFloat16* k0 = rows_at(k_cache, t0);
+    if (t0 + 16 < len) prefetch_rows(rows_at(k_cache, t0 + 16), _MM_HINT_T0);
+    prefetch_rows(rows_at(v_cache, t0), _MM_HINT_T1);  // into L2 for the P x V pass
+    for (int64_t h = 0; h < nh; ++h) {
+      _tile_zero(2);
+      for (int64_t c = 0; c < kchunks; ++c) {
+        _tile_loadd(0, k0 + h * d + 32 * c, token_stride * 2);
+        _tile_loadd(1, s.qt.data() + (h * kchunks + c) * qt_size, group * 4);
+        _tile_dpbf16ps(2, 0, 1);
+      }
+      _tile_stored(2, s.st.data() + (h * len_pad + t0) * group, group * 4);
+    }
+  }
+  // Softmax numerators in bf16, [head][G][len_pad], zero past the end; 1 / sum goes on the output.
+  s.scores.resize(len_pad);
+  s.probs.resize(nh * group * len_pad);
+  std::vector<float>& inv_sum = s.inv_sum;
+  inv_sum.resize(nh * group);
+  for (int64_t h = 0; h < nh; ++h)
+    for (int64_t g = 0; g < group; ++g) {
+      // gather this head's column of the tiles' [token][G] layout, scaled, tracking the max
+      float* sg = s.scores.data();
+      const float* src = s.st.data() + h * len_pad * group + g;
+      const __m512i idx = _mm512_mullo_epi32(
+          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+          _mm512_set1_epi32(static_cast<int32_t>(group)));
+      const __m512 vscale = _mm512_set1_ps(scale);
+      __m512 vmax = _mm512_set1_ps(-INFINITY);
+      for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 live = t + 16 <= len ? 0xffff : (1u << (len - t)) - 1;
+        const __m512 v = _mm512_mul_ps(
+            _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, src + t * group, 4), vscale);
+        _mm512_storeu_ps(sg + t, v);
+        vmax = _mm512_mask_max_ps(vmax, live, vmax, v);
+      }
+      const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+      c10::BFloat16* pg = s.probs.data() + (h * group + g) * len_pad;
+      int64_t t = 0;
+      __m512 vsum = _mm512_setzero_ps();
+      for (t = 0; t < len_pad; t += 16) {
+        const __mmask16 live = t + 16 <= len ? 0xffff : t < len ? (1u << (len - t)) - 1 : 0;
+        __m512 e = _mm512_maskz_mov_ps(
+            live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + t), vm)));
+        e = round_bf16(e);
+        vsum = _mm512_add_ps(vsum, e);
+        store16(pg + t, e);
+      }
+      inv_sum[h * group + g] = 1.0f / _mm512_reduce_add_ps(vsum);
+    }
+  // P x V, 64 output dims and up to 4 query heads at a time.
+  for (int64_t h = 0; h < nh; ++h)
+    for (int64_t d0 = 0; d0 < d; d0 += 64)
+      for (int64_t g0 = 0; g0 < group; g0 += 4) {
+        const int64_t ng = std::min<int64_t>(4, group - g0);
+        auto rows = [&](int64_t t0) { return rows_at(v_cache, t0) + h * d + d0; };
+        c10::BFloat16* o = out + ((h0 + h) * group + g0) * out_head_stride + d0;
+        const c10::BFloat16* p = s.probs.data() + (h * group + g0) * len_pad;
+        const float* inv = inv_sum.data() + h * group + g0;
+        switch (ng) {
+          case 1: pv_bf16<1>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride); break;
+          case 2: pv_bf16<2>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride); break;
+          case 3: pv_bf16<3>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride); break;
+          default: pv_bf16<4>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride);
+        }
+      }
+}
+
+// On by default; set_amx_decode(false) routes bf16 to the AVX-512 paths (tests, benchmarks).
+std::atomic<bool> amx_decode_enabled{true};
+
+// The AMX kernel applies: bf16, head_dim a multiple of 32, whole 16-token tiles per block,
+// at most 16 query heads per KV head, and the process may use AMX.
+bool decode_amx_applies(int64_t d, int64_t block_size, int64_t group) {
+  return amx_decode_enabled.load(std::memory_order_relaxed) && d % 64 == 0 &&
+         block_size % 16 == 0 && group <= 16 && amx_permitted();
+}
+#endif
+
 // Picks the register-resident kernel for head_dim 64/128 on AVX-512, else the portable one.
 template <typename T>
 void decode_dispatch(
@@ -516,6 +741,29 @@ void decode_batch(
     int64_t q_head_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
     int64_t bt_stride, const int32_t* lens, int64_t batch, int64_t block_size, int64_t kv_heads,
     int64_t group, int64_t d, float scale) {
+#ifdef PAGEDSERVE_AMX
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (decode_amx_applies(d, block_size, group)) {
+      // Per sequence (all its KV heads) when the batch fills every thread, else per KV head.
+      const bool per_seq = batch >= 2 * at::get_num_threads();
+      const int64_t tasks = per_seq ? batch : batch * kv_heads;
+      at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+        amx_configure_decode(group);
+        DecodeAmxScratch scratch;
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t b = per_seq ? task : task / kv_heads;
+          const int64_t h0 = per_seq ? 0 : task % kv_heads, h1 = per_seq ? kv_heads : h0 + 1;
+          decode_heads_amx(
+              out + b * out_stride, out_head_stride, q + b * q_stride, q_head_stride, k_cache,
+              v_cache, block_table + b * bt_stride, lens[b], block_size, kv_heads, h0, h1, group,
+              d, scale, scratch);
+        }
+        _tile_release();
+      });
+      return;
+    }
+  }
+#endif
 #ifdef PAGEDSERVE_AVX512
   if constexpr (kVec<T>) {
     if ((d == 64 || d == 128) && batch >= 2 * at::get_num_threads()) {
@@ -587,36 +835,15 @@ void paged_attention_decode(
 // out[M, N] = x[M, K] @ W[N, K]^T for decode-sized M, where oneDNN's per-call overhead
 // dominates. W is packed once into AMX's B-tile layout: for each 16 output columns and 32 k,
 // a 16 x 64-byte tile whose row r holds (W[n][k0+2r], W[n][k0+2r+1]) for n in 0..15.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define PAGEDSERVE_AMX 1
 
-struct TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool amx_permitted() {
-  // Linux hands out AMX state per process on request (ARCH_REQ_XCOMP_PERM, XTILEDATA).
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-constexpr int64_t kPrefetchTiles = 8;
-
-void amx_configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Whether bf16 decode attention may use AMX; returns the previous setting.
+bool set_amx_decode(bool enabled) {
+#ifdef PAGEDSERVE_AMX
+  return amx_decode_enabled.exchange(enabled);
+#else
+  return false;
 #endif
+}
 
 bool amx_available() {
 #ifdef PAGEDSERVE_AMX
@@ -737,6 +964,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("paged_attention_decode", &paged_attention_decode);
   m.def("amx_available", &amx_available);
+  m.def("set_amx_decode", &set_amx_decode);
   m.def("amx_pack_weight", &amx_pack_weight);
   m.def("amx_linear", &amx_linear);
 }
