@@ -78,18 +78,26 @@ def paged_attention_mixed(
     meta: AttentionMetadata,
     scale: float,
     decode=None,
+    prefill=None,
 ) -> torch.Tensor:
     """Decoding sequences (one query each) batched together; prefill sequences batched by
     (query length, context length), so a burst of equal prompts is one SDPA call per layer.
 
     decode: the batched decode function (paged_decode_attention's signature).
+    prefill: optional fn(query, k_cache, v_cache, meta, seqs, starts, scale, out) that writes
+    the rows of every sequence in `seqs` (all those with more than one query) in one call.
     """
     decode = decode or paged_decode_attention
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
     groups: dict[tuple[int, int], list[int]] = {}
     for i, (q_len, kv_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        groups.setdefault((1, 0) if q_len == 1 else (q_len, kv_len), []).append(i)
+        if q_len == 1:
+            groups.setdefault((1, 0), []).append(i)
+        else:
+            groups.setdefault((-1, 0) if prefill else (q_len, kv_len), []).append(i)
+    if (-1, 0) in groups:
+        prefill(query, k_cache, v_cache, meta, groups.pop((-1, 0)), starts, scale, out)
     for (q_len, _), seqs in groups.items():
         if len(seqs) == 1:
             attend_one(query, k_cache, v_cache, meta, seqs[0], starts[seqs[0]], scale, out)
@@ -165,13 +173,15 @@ class TorchAttentionBackend:
     """The reference; decoding sequences take the batched path (what CPU serving runs).
 
     ops: the fused CPU kernels (kernels.cpu_ops); their paged decode kernel then replaces the
-    gather + SDPA of paged_decode_attention.
+    gather + SDPA of paged_decode_attention, and in bf16 where AMX is available their prefill
+    kernel replaces the gather + SDPA of every sequence with more than one new token.
     """
 
     name = "torch"
 
     def __init__(self, ops=None) -> None:
         self.ops = ops
+        self._prefill_supported: dict[tuple[int, int], bool] = {}
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_by_slot(key, value, k_cache, v_cache, slot_mapping)
@@ -181,7 +191,30 @@ class TorchAttentionBackend:
             return self.decode(
                 query, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.max_seq_len, scale
             )
-        return paged_attention_mixed(query, k_cache, v_cache, meta, scale, self.decode)
+        prefill = self.prefill if self._prefill_kernel_applies(query, k_cache) else None
+        return paged_attention_mixed(query, k_cache, v_cache, meta, scale, self.decode, prefill)
+
+    def _prefill_kernel_applies(self, query, k_cache) -> bool:
+        """bf16 on CPU, query rows [T, H, D] with heads contiguous, shapes the kernel covers."""
+        if self.ops is None or query.device.type != "cpu" or query.dtype != torch.bfloat16:
+            return False
+        if k_cache.dtype != torch.bfloat16 or query.stride(1) != query.shape[2]:
+            return False
+        key = (query.shape[2], k_cache.shape[1])
+        if key not in self._prefill_supported:
+            self._prefill_supported[key] = bool(self.ops.amx_prefill_supported(*key))
+        return self._prefill_supported[key]
+
+    def prefill(self, query, k_cache, v_cache, meta, seqs: list[int], starts, scale, out) -> None:
+        """All prefill sequences in one call of the AMX kernel, K/V read from the cache."""
+        idx = torch.tensor(seqs, dtype=torch.long)
+        q_start = torch.tensor([starts[i] for i in seqs], dtype=torch.int32)
+        q_len = torch.tensor([meta.query_lens_cpu[i] for i in seqs], dtype=torch.int32)
+        seq_lens = torch.tensor([meta.seq_lens_cpu[i] for i in seqs], dtype=torch.int32)
+        block_table = meta.block_table.index_select(0, idx)
+        self.ops.paged_attention_prefill(
+            out, query, k_cache, v_cache, block_table, q_start, q_len, seq_lens, scale
+        )
 
     def decode(self, query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale):
         if self.ops is None or query.device.type != "cpu":

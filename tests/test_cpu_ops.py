@@ -594,3 +594,111 @@ def test_index_arrays_out_of_range_are_refused(ops):
                 torch.tensor(bad, dtype=torch.int32),
                 0.125,
             )
+
+
+# ---- paged prefill attention (AMX) --------------------------------------------------------------
+# (block_size, num_heads, num_kv_heads, head_dim, [(query length, context length), ...]):
+# whole prompts (q == kv), chunks after a cached prefix or an earlier chunk (q < kv), single-token
+# rows, query blocks of 16 with tails, lengths on and off block boundaries.
+PREFILL_CASES = [
+    (16, 9, 3, 64, [(256, 256), (17, 17), (1, 9), (40, 100)]),  # SmolLM2's shapes
+    (16, 8, 2, 64, [(128, 640), (5, 5), (16, 16), (33, 48)]),  # prefix hit, GQA 4
+    (32, 10, 2, 128, [(31, 31), (64, 95), (2, 2)]),  # GQA 5, head_dim 128, block 32
+    (16, 4, 4, 64, [(19, 19), (3, 70)]),  # MHA
+    (16, 16, 1, 128, [(48, 300), (7, 7)]),  # MQA, 16 query heads per KV head
+]
+
+
+def _prefill_id(case) -> str:
+    bs, h, hkv, d, seqs = case
+    return f"bs{bs}-h{h}/{hkv}-d{d}-" + "-".join(f"{q}of{kv}" for q, kv in seqs)
+
+
+@needs_amx
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=_prefill_id)
+def test_paged_prefill_amx_matches_per_sequence_reference(ops, case):
+    block_size, heads, kv_heads, head_dim, seqs = case
+    gen = torch.Generator().manual_seed(len(seqs) * head_dim + heads)
+    q_lens, kv_lens = [q for q, _ in seqs], [kv for _, kv in seqs]
+    k_cache, v_cache, block_table = make_paged(
+        block_size, kv_heads, head_dim, kv_lens, torch.bfloat16, gen
+    )
+    # query rows as the model hands them over: q out of a fused qkv row, sequences back to back
+    # after one decode row that the kernel must leave alone.
+    rows = 1 + sum(q_lens)
+    qkv = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=gen).bfloat16()
+    query = qkv[:, :heads]
+    out = torch.full((rows, heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    q_start = torch.tensor([1 + sum(q_lens[:i]) for i in range(len(seqs))], dtype=torch.int32)
+    scale = head_dim**-0.5
+    with num_threads(THREADS):
+        ops.paged_attention_prefill(
+            out, query, k_cache, v_cache, block_table, q_start,
+            torch.tensor(q_lens, dtype=torch.int32), torch.tensor(kv_lens, dtype=torch.int32), scale,
+        )
+    assert out[0].isnan().all(), "a row outside every sequence was written"
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(rows - 1, dtype=torch.int64),
+        query_start_loc=torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32),
+        seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        block_table=block_table,
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=kv_lens,
+        max_query_len=max(q_lens),
+        max_seq_len=max(kv_lens),
+    )
+    want = paged_attention(query[1:].float(), k_cache.float(), v_cache.float(), meta, scale)
+    got = out[1:].float()
+    assert not got.isnan().any(), "unwritten or NaN-contaminated output"
+    # probabilities are rounded to bf16 before P x V (as in flash attention): a few bf16 ulps
+    torch.testing.assert_close(got, want, rtol=ULP[torch.bfloat16], atol=8e-3)
+    assert (got - want).abs().mean() < 4e-3 * want.abs().mean(), "beyond bf16 rounding on average"
+
+
+@needs_amx
+def test_paged_prefill_refuses_bad_lengths(ops):
+    k_cache, v_cache, block_table = make_paged(16, 1, 64, [20], torch.bfloat16, torch.Generator())
+    query = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    out = torch.empty_like(query)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    good = (i32(0), i32(4), i32(20))
+    ops.paged_attention_prefill(out, query, k_cache, v_cache, block_table, *good, 0.125)
+    for bad in [(i32(1), i32(4), i32(20)),  # rows past the end of query
+                (i32(0), i32(4), i32(3)),  # more queries than context
+                (i32(0), i32(0), i32(20)),  # no query
+                (i32(0), i32(4), i32(49))]:  # context beyond the block table (3 blocks of 16)
+        with pytest.raises(RuntimeError):
+            ops.paged_attention_prefill(out, query, k_cache, v_cache, block_table, *bad, 0.125)
+
+
+@needs_amx
+def test_torch_backend_routes_bf16_prefill_through_the_kernel(ops):
+    """Mixed batch in bf16: prefills go to the AMX kernel in one call, decodes to the decode
+    kernel, and the result matches the kernel-free backend within bf16 rounding."""
+    q_lens, kv_lens = [1, 20, 1, 37], [30, 20, 5, 60]
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache, block_table = make_paged(16, 3, 64, kv_lens, torch.bfloat16, gen)
+    k_cache, v_cache = k_cache.nan_to_num(0), v_cache.nan_to_num(0)
+    query = torch.randn(sum(q_lens), 9, 64, generator=gen).bfloat16()
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64),
+        query_start_loc=torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32),
+        seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        block_table=block_table,
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=kv_lens,
+        max_query_len=max(q_lens),
+        max_seq_len=max(kv_lens),
+    )
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(ops, name)
+            return lambda *args: (calls.append(name), fn(*args))[1]
+
+    got = TorchAttentionBackend(Spy()).forward(query, k_cache, v_cache, meta, 0.125)
+    want = TorchAttentionBackend(None).forward(query, k_cache, v_cache, meta, 0.125)
+    assert calls.count("paged_attention_prefill") == 1
+    assert calls.count("paged_attention_decode") == 1
+    torch.testing.assert_close(got.float(), want.float(), rtol=ULP[torch.bfloat16], atol=8e-3)
