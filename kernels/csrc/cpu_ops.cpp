@@ -18,7 +18,6 @@
 #include <utility>
 #include <algorithm>
 #include <atomic>
-#include <memory>
 #include <vector>
 
 namespace {
@@ -1120,11 +1119,14 @@ void paged_attention_prefill(
   // V^T per (sequence, KV head): [D, len padded to 32], zero past the end.
   std::vector<int64_t> vt_off(batch + 1, 0);
   for (int64_t b = 0; b < batch; ++b) vt_off[b + 1] = vt_off[b] + kv_heads * d * ((lens[b] + 31) / 32 * 32);
-  std::unique_ptr<c10::BFloat16[]> vt(new c10::BFloat16[vt_off[batch]]);  // build_vt fills it
+  // Reused across calls: a fresh multi-MB allocation per layer costs its page faults each time.
+  static thread_local std::vector<c10::BFloat16> vt_buf;
+  if (static_cast<int64_t>(vt_buf.size()) < vt_off[batch]) vt_buf.resize(vt_off[batch]);
+  c10::BFloat16* vt = vt_buf.data();  // build_vt fills every element used
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
-      build_vt(vt.get() + vt_off[b] + h * d * ((lens[b] + 31) / 32 * 32), vp, bt + b * bt_stride,
+      build_vt(vt + vt_off[b] + h * d * ((lens[b] + 31) / 32 * 32), vp, bt + b * bt_stride,
                lens[b], block_size, token_stride, h, d);
     }
   });
@@ -1143,7 +1145,7 @@ void paged_attention_prefill(
       const int64_t pad = (len + 31) / 32 * 32, row0 = qs[b] + j0;
       auto run = d == 64 ? prefill_block_amx<64> : prefill_block_amx<128>;
       run(op + row0 * out.stride(0) + head * d, out.stride(0), qp + row0 * query.stride(0) + head * d,
-          query.stride(0), nq, len - q_len + j0, kp, vt.get() + vt_off[b] + h * d * pad, pad,
+          query.stride(0), nq, len - q_len + j0, kp, vt + vt_off[b] + h * d * pad, pad,
           bt + b * bt_stride, block_size, token_stride, h, static_cast<float>(scale), scratch);
     }
     _tile_release();
