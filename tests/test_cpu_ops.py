@@ -702,3 +702,21 @@ def test_torch_backend_routes_bf16_prefill_through_the_kernel(ops):
     assert calls.count("paged_attention_prefill") == 1
     assert calls.count("paged_attention_decode") == 1
     torch.testing.assert_close(got.float(), want.float(), rtol=ULP[torch.bfloat16], atol=8e-3)
+
+
+# ---- argmax (greedy sampling) -------------------------------------------------------------------
+@pytest.mark.parametrize("vocab", [1, 7, 16, 37, 49152])
+def test_argmax_rows_matches_torch_argmax(ops, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(12, vocab + 5, generator=gen)[:, :vocab]  # rows strided, columns contiguous
+    x[1] = 0.5  # all equal: the first index
+    x[2, -1] = 50.0  # the maximum in the last column (a tail past whole vectors when vocab % 16)
+    x[3] = float("-inf")
+    if vocab > 3:
+        x[4, 2] = x[4, vocab - 1] = 60.0  # tie between a vector lane and the tail: first wins
+        x[5, vocab // 2] = float("nan")  # NaN counts as the largest, as in torch.argmax
+        x[6, 1] = x[6, vocab - 2] = float("nan")
+        x[7, 0] = float("inf")
+    got = ops.argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(dim=-1))
