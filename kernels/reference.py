@@ -182,6 +182,8 @@ class TorchAttentionBackend:
     def __init__(self, ops=None) -> None:
         self.ops = ops
         self._prefill_supported: dict[tuple[int, int], bool] = {}
+        # the kernel's per-step arguments, built by the first layer and reused by the others
+        self._prefill_args: tuple | None = None
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_by_slot(key, value, k_cache, v_cache, slot_mapping)
@@ -207,14 +209,17 @@ class TorchAttentionBackend:
 
     def prefill(self, query, k_cache, v_cache, meta, seqs: list[int], starts, scale, out) -> None:
         """All prefill sequences in one call of the AMX kernel, K/V read from the cache."""
-        idx = torch.tensor(seqs, dtype=torch.long)
-        q_start = torch.tensor([starts[i] for i in seqs], dtype=torch.int32)
-        q_len = torch.tensor([meta.query_lens_cpu[i] for i in seqs], dtype=torch.int32)
-        seq_lens = torch.tensor([meta.seq_lens_cpu[i] for i in seqs], dtype=torch.int32)
-        block_table = meta.block_table.index_select(0, idx)
-        self.ops.paged_attention_prefill(
-            out, query, k_cache, v_cache, block_table, q_start, q_len, seq_lens, scale
-        )
+        cached = self._prefill_args
+        if cached is None or cached[0] is not meta or cached[1] != seqs:  # once per step
+            idx = torch.tensor(seqs, dtype=torch.long)
+            args = (
+                meta.block_table.index_select(0, idx),
+                torch.tensor([starts[i] for i in seqs], dtype=torch.int32),
+                torch.tensor([meta.query_lens_cpu[i] for i in seqs], dtype=torch.int32),
+                torch.tensor([meta.seq_lens_cpu[i] for i in seqs], dtype=torch.int32),
+            )
+            cached = self._prefill_args = (meta, list(seqs), args)
+        self.ops.paged_attention_prefill(out, query, k_cache, v_cache, *cached[2], scale)
 
     def decode(self, query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale):
         if self.ops is None or query.device.type != "cpu":

@@ -671,16 +671,8 @@ def test_paged_prefill_refuses_bad_lengths(ops):
             ops.paged_attention_prefill(out, query, k_cache, v_cache, block_table, *bad, 0.125)
 
 
-@needs_amx
-def test_torch_backend_routes_bf16_prefill_through_the_kernel(ops):
-    """Mixed batch in bf16: prefills go to the AMX kernel in one call, decodes to the decode
-    kernel, and the result matches the kernel-free backend within bf16 rounding."""
-    q_lens, kv_lens = [1, 20, 1, 37], [30, 20, 5, 60]
-    gen = torch.Generator().manual_seed(7)
-    k_cache, v_cache, block_table = make_paged(16, 3, 64, kv_lens, torch.bfloat16, gen)
-    k_cache, v_cache = k_cache.nan_to_num(0), v_cache.nan_to_num(0)
-    query = torch.randn(sum(q_lens), 9, 64, generator=gen).bfloat16()
-    meta = AttentionMetadata(
+def _mixed_meta(q_lens, kv_lens, block_table) -> AttentionMetadata:
+    return AttentionMetadata(
         slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64),
         query_start_loc=torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32),
         seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
@@ -690,6 +682,17 @@ def test_torch_backend_routes_bf16_prefill_through_the_kernel(ops):
         max_query_len=max(q_lens),
         max_seq_len=max(kv_lens),
     )
+
+
+@needs_amx
+def test_torch_backend_routes_bf16_prefill_through_the_kernel(ops):
+    """Mixed batches in bf16: prefills go to the AMX kernel in one call per layer, decodes to the
+    decode kernel, and the result matches the kernel-free backend within bf16 rounding; the
+    kernel's arguments, built once per step, follow the next step's batch."""
+    kv_lens = [30, 20, 5, 60]
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache, block_table = make_paged(16, 3, 64, kv_lens, torch.bfloat16, gen)
+    k_cache, v_cache = k_cache.nan_to_num(0), v_cache.nan_to_num(0)
     calls = []
 
     class Spy:
@@ -697,11 +700,16 @@ def test_torch_backend_routes_bf16_prefill_through_the_kernel(ops):
             fn = getattr(ops, name)
             return lambda *args: (calls.append(name), fn(*args))[1]
 
-    got = TorchAttentionBackend(Spy()).forward(query, k_cache, v_cache, meta, 0.125)
-    want = TorchAttentionBackend(None).forward(query, k_cache, v_cache, meta, 0.125)
-    assert calls.count("paged_attention_prefill") == 1
-    assert calls.count("paged_attention_decode") == 1
-    torch.testing.assert_close(got.float(), want.float(), rtol=ULP[torch.bfloat16], atol=8e-3)
+    backend = TorchAttentionBackend(Spy())
+    for q_lens in ([1, 20, 1, 37], [1, 20, 1, 37], [12, 1, 5, 1]):  # layer 1, layer 2, next step
+        meta = _mixed_meta(q_lens, kv_lens, block_table)
+        query = torch.randn(sum(q_lens), 9, 64, generator=gen).bfloat16()
+        calls.clear()
+        got = backend.forward(query, k_cache, v_cache, meta, 0.125)
+        want = TorchAttentionBackend(None).forward(query, k_cache, v_cache, meta, 0.125)
+        assert calls.count("paged_attention_prefill") == 1
+        assert calls.count("paged_attention_decode") == 1
+        torch.testing.assert_close(got.float(), want.float(), rtol=ULP[torch.bfloat16], atol=8e-3)
 
 
 # ---- argmax (greedy sampling) -------------------------------------------------------------------
