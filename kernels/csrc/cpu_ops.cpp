@@ -132,6 +132,14 @@ bool amx_permitted() {
   return ok;
 }
 
+// permutex2var_epi16 indices that interleave the first 16 words of a with those of b
+// (a0 b0 a1 b1 ... a15 b15); adding 16 to each interleaves the next 16.
+inline __m512i interleave_lo16() {
+  return _mm512_set_epi16(
+      47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
+      35, 3, 34, 2, 33, 1, 32, 0);
+}
+
 // GCC models ldtilecfg's operand narrower than the 64-byte config and may drop the stores to
 // rows / colsb as dead; handing the address to an empty asm with a memory clobber keeps them.
 inline void load_tile_config(const TileConfig& cfg) {
@@ -561,9 +569,7 @@ template <int NG, typename RowsAt>
 inline void pv_bf16(
     c10::BFloat16* out, int64_t out_head_stride, const c10::BFloat16* probs, int64_t len_pad,
     const float* inv_sum, RowsAt rows_at, int64_t len, int64_t token_stride) {
-  const __m512i lo_idx = _mm512_set_epi16(
-      47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
-      35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i lo_idx = interleave_lo16();
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   __m512 acc[NG][4];
   for (int g = 0; g < NG; ++g)
@@ -885,9 +891,7 @@ inline void transpose16_epi32(__m512i r[16]) {
 void build_vt(c10::BFloat16* dst, const c10::BFloat16* v_cache, const int32_t* blocks,
               int64_t len, int64_t block_size, int64_t token_stride, int64_t kv_head, int64_t d) {
   const int64_t pad = (len + 31) / 32 * 32;
-  const __m512i lo_idx = _mm512_set_epi16(
-      47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4,
-      35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i lo_idx = interleave_lo16();
   auto rows_at = [&](int64_t t0) {
     const int64_t slot = static_cast<int64_t>(blocks[t0 / block_size]) * block_size + t0 % block_size;
     return v_cache + slot * token_stride + kv_head * d;
