@@ -614,6 +614,20 @@ def _prefill_id(case) -> str:
     return f"bs{bs}-h{h}/{hkv}-d{d}-" + "-".join(f"{q}of{kv}" for q, kv in seqs)
 
 
+def varlen_meta(q_lens, kv_lens, block_table) -> AttentionMetadata:
+    """Sequences with q_lens new tokens each, back to back, over kv_lens of context."""
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64),
+        query_start_loc=torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32),
+        seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        block_table=block_table,
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=kv_lens,
+        max_query_len=max(q_lens),
+        max_seq_len=max(kv_lens),
+    )
+
+
 @needs_amx
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=_prefill_id)
 def test_paged_prefill_amx_matches_per_sequence_reference(ops, case):
@@ -632,21 +646,12 @@ def test_paged_prefill_amx_matches_per_sequence_reference(ops, case):
     q_start = torch.tensor([1 + sum(q_lens[:i]) for i in range(len(seqs))], dtype=torch.int32)
     scale = head_dim**-0.5
     with num_threads(THREADS):
+        q_len_t, kv_len_t = (torch.tensor(v, dtype=torch.int32) for v in (q_lens, kv_lens))
         ops.paged_attention_prefill(
-            out, query, k_cache, v_cache, block_table, q_start,
-            torch.tensor(q_lens, dtype=torch.int32), torch.tensor(kv_lens, dtype=torch.int32), scale,
+            out, query, k_cache, v_cache, block_table, q_start, q_len_t, kv_len_t, scale
         )
     assert out[0].isnan().all(), "a row outside every sequence was written"
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(rows - 1, dtype=torch.int64),
-        query_start_loc=torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32),
-        seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
-        block_table=block_table,
-        query_lens_cpu=q_lens,
-        seq_lens_cpu=kv_lens,
-        max_query_len=max(q_lens),
-        max_seq_len=max(kv_lens),
-    )
+    meta = varlen_meta(q_lens, kv_lens, block_table)
     want = paged_attention(query[1:].float(), k_cache.float(), v_cache.float(), meta, scale)
     got = out[1:].float()
     assert not got.isnan().any(), "unwritten or NaN-contaminated output"
@@ -671,19 +676,6 @@ def test_paged_prefill_refuses_bad_lengths(ops):
             ops.paged_attention_prefill(out, query, k_cache, v_cache, block_table, *bad, 0.125)
 
 
-def _mixed_meta(q_lens, kv_lens, block_table) -> AttentionMetadata:
-    return AttentionMetadata(
-        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64),
-        query_start_loc=torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32),
-        seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
-        block_table=block_table,
-        query_lens_cpu=q_lens,
-        seq_lens_cpu=kv_lens,
-        max_query_len=max(q_lens),
-        max_seq_len=max(kv_lens),
-    )
-
-
 @needs_amx
 def test_torch_backend_routes_bf16_prefill_through_the_kernel(ops):
     """Mixed batches in bf16: prefills go to the AMX kernel in one call per layer, decodes to the
@@ -702,7 +694,7 @@ def test_torch_backend_routes_bf16_prefill_through_the_kernel(ops):
 
     backend = TorchAttentionBackend(Spy())
     for q_lens in ([1, 20, 1, 37], [1, 20, 1, 37], [12, 1, 5, 1]):  # layer 1, layer 2, next step
-        meta = _mixed_meta(q_lens, kv_lens, block_table)
+        meta = varlen_meta(q_lens, kv_lens, block_table)
         query = torch.randn(sum(q_lens), 9, 64, generator=gen).bfloat16()
         calls.clear()
         got = backend.forward(query, k_cache, v_cache, meta, 0.125)
