@@ -717,6 +717,8 @@ def test_argmax_rows_matches_torch_argmax(ops, vocab):
         x[5, vocab // 2] = float("nan")  # NaN counts as the largest, as in torch.argmax
         x[6, 1] = x[6, vocab - 2] = float("nan")
         x[7, 0] = float("inf")
+    if vocab > 32:
+        x[8, 17] = x[8, 32] = 70.0  # tie across vector lanes: lane 1 holds 17, lane 0 holds 32
     got = ops.argmax_rows(x)
     assert got.dtype == torch.int64
     assert torch.equal(got, x.argmax(dim=-1))
