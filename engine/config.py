@@ -6,6 +6,12 @@ from dataclasses import dataclass, fields
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
+# Per-step token budget when none is given. On CPU a prefill step costs ~0.6 ms per token, so a
+# 2048-token step holds every request that waits on it for over a second; 512-token steps let
+# prompts finish one after another (median TTFT ~1.2 s against ~2.2 s on bench/serve.py std,
+# same throughput within noise; see bench/README.md). GPUs prefill 2048 tokens in milliseconds.
+CPU_MAX_NUM_BATCHED_TOKENS = 512
+GPU_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -15,7 +21,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     block_size: int | None = None  # None: 16, or 256 where flash-attn 2 will run
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: 512 on CPU, 2048 on GPU
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
@@ -34,6 +40,10 @@ class EngineConfig:
 
             object.__setattr__(
                 self, "block_size", default_block_size(self.attention_backend, self.device)
+            )
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(
+                self, "max_num_batched_tokens", default_max_num_batched_tokens(self.device)
             )
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
@@ -57,3 +67,12 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+
+def default_max_num_batched_tokens(device: str = "auto") -> int:
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_cpu = str(device).split(":")[0] == "cpu"
+    return CPU_MAX_NUM_BATCHED_TOKENS if on_cpu else GPU_MAX_NUM_BATCHED_TOKENS

@@ -35,6 +35,18 @@ def test_budget_and_max_num_seqs_hold_every_step(budget):
     assert_scheduler_drained(s)
 
 
+def test_default_budget_is_512_tokens_on_cpu_and_2048_on_gpu():
+    from engine.config import EngineConfig
+    from server.cli import build_parser
+
+    assert EngineConfig(device="cpu").max_num_batched_tokens == 512
+    assert EngineConfig(device="cuda").max_num_batched_tokens == 2048
+    assert EngineConfig(device="cpu", max_num_batched_tokens=2048).max_num_batched_tokens == 2048
+    _, serve = build_parser()  # the flag leaves the choice to the engine unless given
+    assert serve.parse_args([]).max_num_batched_tokens is None
+    assert serve.parse_args(["--max-num-batched-tokens", "96"]).max_num_batched_tokens == 96
+
+
 def test_long_prompt_is_chunked_and_completes():
     s = make_scheduler(max_num_batched_tokens=8)
     req = make_request("long", 30, max_tokens=2)
