@@ -8,8 +8,9 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 # Per-step token budget when none is given. On CPU a prefill step costs ~0.6 ms per token, so a
 # 2048-token step holds every request that waits on it for over a second; 512-token steps let
-# prompts finish one after another (median TTFT ~1.2 s against ~2.2 s on bench/serve.py std,
-# same throughput within noise; see bench/README.md). GPUs prefill 2048 tokens in milliseconds.
+# prompts finish one after another (median TTFT 0.9-1.4 s against 2.1-2.8 s on bench/serve.py
+# std, throughput within the machine's noise; see bench/README.md). GPUs prefill 2048 tokens in
+# milliseconds.
 CPU_MAX_NUM_BATCHED_TOKENS = 512
 GPU_MAX_NUM_BATCHED_TOKENS = 2048
 
