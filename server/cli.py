@@ -29,7 +29,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="default 16; 256 on flash-attn 2")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument(
-        "--max-num-batched-tokens", type=int, help="tokens per step; default 512 on CPU, 2048 on GPU"
+        "--max-num-batched-tokens",
+        type=int,
+        help="tokens per step; default 512 on CPU, 2048 on GPU",
     )
     p.add_argument("--num-gpu-blocks-override", type=int)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
