@@ -71,9 +71,7 @@ class EngineConfig:
 
 
 def default_max_num_batched_tokens(device: str = "auto") -> int:
-    import torch
+    from kernels import _device_type  # "auto" -> cuda or cpu, "cuda:1" -> cuda
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    on_cpu = str(device).split(":")[0] == "cpu"
+    on_cpu = _device_type(device) == "cpu"
     return CPU_MAX_NUM_BATCHED_TOKENS if on_cpu else GPU_MAX_NUM_BATCHED_TOKENS
