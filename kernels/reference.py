@@ -91,13 +91,16 @@ def paged_attention_mixed(
     out = torch.empty_like(query)
     starts = meta.query_start_loc.tolist()
     groups: dict[tuple[int, int], list[int]] = {}
+    prefill_seqs: list[int] = []  # for `prefill`, when given
     for i, (q_len, kv_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         if q_len == 1:
             groups.setdefault((1, 0), []).append(i)
+        elif prefill:
+            prefill_seqs.append(i)
         else:
-            groups.setdefault((-1, 0) if prefill else (q_len, kv_len), []).append(i)
-    if (-1, 0) in groups:
-        prefill(query, k_cache, v_cache, meta, groups.pop((-1, 0)), starts, scale, out)
+            groups.setdefault((q_len, kv_len), []).append(i)
+    if prefill_seqs:
+        prefill(query, k_cache, v_cache, meta, prefill_seqs, starts, scale, out)
     for (q_len, _), seqs in groups.items():
         if len(seqs) == 1:
             attend_one(query, k_cache, v_cache, meta, seqs[0], starts[seqs[0]], scale, out)
