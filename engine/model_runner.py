@@ -164,16 +164,18 @@ class ModelRunner:
         sample_idx = np.flatnonzero(sampled_mask).tolist()
         logits_rows = (cu_q[sampled_mask] - 1).tolist()
         max_blocks = int((seq_lens.max() + bs - 1) // bs)
+        block_table = table[rows, :max_blocks]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev),
             query_start_loc=torch.from_numpy(np.concatenate(([0], cu_q)).astype(np.int32)).to(dev),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(table[rows, :max_blocks]).to(dev),
+            block_table=torch.from_numpy(block_table).to(dev),
             query_lens_cpu=query_lens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
+            decode_shared_blocks=shared_prefix_blocks(block_table, query_lens, seq_lens, bs),
         )
         ids_t = torch.from_numpy(input_ids).to(dev)
         pos_t = torch.from_numpy(positions).to(dev)
@@ -208,6 +210,20 @@ def _set_cpu_threads() -> None:
     """One intra-op thread per core this process may run on (taskset/cgroups), unless set."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(len(os.sched_getaffinity(0)))
+
+
+def shared_prefix_blocks(
+    table: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, block_size: int
+) -> int:
+    """How many leading block ids all decoding rows (query length 1) of `table` have in common,
+    counting only blocks before each one's newest token; 0 unless two or more decode."""
+    decoding = query_lens == 1
+    if np.count_nonzero(decoding) < 2:
+        return 0
+    limit = int((seq_lens[decoding] - 1).min()) // block_size
+    rows = table[decoding, :limit]
+    same = (rows == rows[0]).all(axis=0)
+    return limit if same.all() else int(same.argmin())
 
 
 def _gather_token_ids(out: SchedulerOutput) -> list[int]:

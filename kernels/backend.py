@@ -24,6 +24,10 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # Leading block-table entries that every decoding sequence (one query) holds, the same
+    # physical blocks (a shared, prefix-cached prompt), each short of its newest token; 0 when
+    # fewer than two sequences decode. Backends may read that prefix once for all of them.
+    decode_shared_blocks: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from kernels.backend import AttentionMetadata
+
+# Decode batches whose sequences share a prefix at least this long, this many of them, read it
+# once for all (the cascade kernel); below either the one-pass decode kernel was as fast.
+CASCADE_MIN_TOKENS = 128
+CASCADE_MIN_SEQS = 8
 
 
 def write_kv_by_slot(
@@ -185,6 +192,7 @@ class TorchAttentionBackend:
     def __init__(self, ops=None) -> None:
         self.ops = ops
         self._prefill_supported: dict[tuple[int, int], bool] = {}
+        self._cascade_supported: dict[tuple[int, int, int], bool] = {}
         # the kernel's per-step arguments, built by the first layer and reused by the others
         self._prefill_args: tuple | None = None
 
@@ -192,12 +200,15 @@ class TorchAttentionBackend:
         write_kv_by_slot(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        shared = meta.decode_shared_blocks
         if meta.is_decode_only:
             return self.decode(
-                query, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.max_seq_len, scale
+                query, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.max_seq_len, scale,
+                shared,
             )
         prefill = self.prefill if self._prefill_kernel_applies(query, k_cache) else None
-        return paged_attention_mixed(query, k_cache, v_cache, meta, scale, self.decode, prefill)
+        decode = functools.partial(self.decode, shared_blocks=shared) if shared else self.decode
+        return paged_attention_mixed(query, k_cache, v_cache, meta, scale, decode, prefill)
 
     def _prefill_kernel_applies(self, query, k_cache) -> bool:
         """bf16 on CPU, query rows [T, H, D] with heads contiguous, shapes the kernel covers."""
@@ -224,11 +235,36 @@ class TorchAttentionBackend:
             cached = self._prefill_args = (meta, list(seqs), args)
         self.ops.paged_attention_prefill(out, query, k_cache, v_cache, *cached[2], scale)
 
-    def decode(self, query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale):
+    def decode(
+        self, query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale, shared_blocks=0
+    ):
+        """shared_blocks: leading entries of block_table common to every row (a shared prefix);
+        with enough of them and enough sequences the kernel reads that prefix once for all."""
         if self.ops is None or query.device.type != "cpu":
             return paged_decode_attention(
                 query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale
             )
         out = query.new_empty(query.shape)
+        if self._cascade_applies(query, k_cache, shared_blocks):
+            prefix_len = shared_blocks * k_cache.shape[1]
+            self.ops.paged_attention_cascade(
+                out, query, k_cache, v_cache, block_table[0, :shared_blocks], prefix_len,
+                block_table[:, shared_blocks:], seq_lens - prefix_len, scale,
+            )
+            return out
         self.ops.paged_attention_decode(out, query, k_cache, v_cache, block_table, seq_lens, scale)
         return out
+
+    def _cascade_applies(self, query, k_cache, shared_blocks: int) -> bool:
+        """A shared prefix of CASCADE_MIN_TOKENS over CASCADE_MIN_SEQS sequences, bf16 on AMX
+        (below those the one-pass kernel was as fast or faster: bench/README.md)."""
+        if shared_blocks * k_cache.shape[1] < CASCADE_MIN_TOKENS:
+            return False
+        if query.shape[0] < CASCADE_MIN_SEQS or query.dtype != torch.bfloat16:
+            return False
+        if k_cache.dtype != torch.bfloat16:
+            return False
+        key = (query.shape[2], k_cache.shape[1], query.shape[1] // k_cache.shape[2])
+        if key not in self._cascade_supported:
+            self._cascade_supported[key] = bool(self.ops.cascade_supported(*key))
+        return self._cascade_supported[key]

@@ -26,7 +26,12 @@ from engine.models.llama import RMSNorm, RotaryEmbedding, apply_rope
 from kernels.backend import AttentionMetadata
 from kernels.cpu_linear import AMX_MAX_ROWS, PackedLinear, can_pack, pack_linears
 from kernels.cpu_ops import cpu_kernels_enabled, load_cpu_ops
-from kernels.reference import TorchAttentionBackend, paged_attention, paged_decode_attention
+from kernels.reference import (
+    TorchAttentionBackend,
+    gather_kv,
+    paged_attention,
+    paged_decode_attention,
+)
 
 # One unit in the last place, relative: the largest gap one rounding step can open.
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -702,6 +707,180 @@ def test_torch_backend_routes_bf16_prefill_through_the_kernel(ops):
         assert calls.count("paged_attention_prefill") == 1
         assert calls.count("paged_attention_decode") == 1
         torch.testing.assert_close(got.float(), want.float(), rtol=ULP[torch.bfloat16], atol=8e-3)
+
+
+# ---- cascade decode: a shared prefix read once for all sequences (AMX) -------------------------
+# (block_size, num_heads, num_kv_heads, head_dim, prefix_len, suffix lengths): B x G queries per KV
+# head in 16s with a tail, suffixes on and off block boundaries, a prefix ending inside a block.
+CASCADE_CASES = [
+    (16, 9, 3, 64, 512, [1 + 7 * i for i in range(30)]),  # SmolLM2's shapes: 90 = 5 x 16 + 10
+    (16, 16, 1, 64, 64, [3, 16, 17]),  # 16 query heads per KV head: one full tile per sequence
+    (32, 10, 2, 128, 96, [33, 1, 64, 95, 2, 40, 31, 7, 32]),  # GQA 5, head_dim 128, block 32
+    (16, 4, 4, 64, 40, [1] * 17),  # MHA, a 40-token prefix (2.5 blocks), one-token suffixes
+]
+
+
+def _cascade_id(case) -> str:
+    bs, h, hkv, d, prefix, lens = case
+    return f"bs{bs}-h{h}/{hkv}-d{d}-p{prefix}-b{len(lens)}"
+
+
+def make_cascade(case, gen):
+    """Caches holding one shared prefix and every sequence's own suffix blocks, scattered, with
+    NaN in every slot nobody owns; the query is a strided view, as q out of a fused qkv."""
+    block_size, heads, kv_heads, head_dim, prefix_len, suffix_lens = case
+    prefix_blocks = -(prefix_len // -block_size)
+    k_cache, v_cache, table = make_paged(
+        block_size, kv_heads, head_dim, [prefix_len] + suffix_lens, torch.bfloat16, gen
+    )
+    query = torch.randn(len(suffix_lens), heads + 2 * kv_heads, head_dim, generator=gen)
+    query = query.bfloat16()[:, :heads]
+    return k_cache, v_cache, table[0, :prefix_blocks].contiguous(), table[1:], query
+
+
+def cascade_reference(query, k_cache, v_cache, prefix, prefix_len, table, suffix_lens, scale):
+    """float32 attention of each query over the prefix's tokens followed by its own."""
+    out = []
+    for i, n in enumerate(suffix_lens):
+        keys = [torch.cat([gather_kv(c, prefix, prefix_len), gather_kv(c, table[i], n)]).float()
+                for c in (k_cache, v_cache)]
+        q = query[i].float()[None, :, None]  # [1, H, 1, D]
+        k, v = (t.transpose(0, 1)[None] for t in keys)  # [1, Hkv, L, D]
+        o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+        out.append(o[0, :, 0])
+    return torch.stack(out)
+
+
+@needs_amx
+@pytest.mark.parametrize("case", CASCADE_CASES, ids=_cascade_id)
+def test_paged_attention_cascade_matches_reference(ops, case):
+    """Within the AMX decode kernel's bounds: numerators rounded to bf16 in each part, the
+    parts merged by log-sum-exp in float32 and rounded once."""
+    prefix_len, suffix_lens, head_dim = case[4], case[5], case[3]
+    k_cache, v_cache, prefix, table, query = make_cascade(case, torch.Generator().manual_seed(5))
+    out_buf = torch.full((len(suffix_lens), query.shape[1], head_dim + 8), 7.0).bfloat16()
+    out = out_buf[..., :head_dim].fill_(float("nan"))
+    lens = torch.tensor(suffix_lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    with num_threads(THREADS):
+        ops.paged_attention_cascade(
+            out, query, k_cache, v_cache, prefix, prefix_len, table, lens, scale
+        )
+    assert (out_buf[..., head_dim:] == 7.0).all(), "written past the head's dims"
+    want = cascade_reference(query, k_cache, v_cache, prefix, prefix_len, table, suffix_lens, scale)
+    got = out.float()
+    assert not got.isnan().any(), "unwritten or NaN-contaminated output"
+    torch.testing.assert_close(got, want, rtol=ULP[torch.bfloat16], atol=4e-3)
+    assert (got - want).abs().mean().item() < 5e-4, "beyond bf16 rounding on average"
+
+
+@needs_amx
+def test_paged_attention_cascade_refuses_bad_arguments(ops):
+    case = (16, 4, 2, 64, 32, [5, 20])
+    k_cache, v_cache, prefix, table, query = make_cascade(case, torch.Generator().manual_seed(6))
+    out = torch.empty(query.shape, dtype=torch.bfloat16)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    good = dict(prefix=prefix, prefix_len=32, lens=i32(5, 20))
+    bad = [
+        dict(good, prefix_len=0),  # no prefix
+        dict(good, prefix_len=33),  # longer than its two blocks
+        dict(good, lens=i32(5, 0)),  # a sequence with no suffix token
+        dict(good, lens=i32(5, 49)),  # beyond the table's three columns of 16
+        dict(good, prefix=i32(0, k_cache.shape[0])),  # a block past the cache
+    ]
+
+    def call(prefix, prefix_len, lens, q=query, k=k_cache):
+        ops.paged_attention_cascade(out, q, k, v_cache, prefix, prefix_len, table, lens, 0.125)
+
+    call(**good)
+    for args in bad:
+        with pytest.raises(RuntimeError):
+            call(**args)
+    with pytest.raises(RuntimeError, match="bf16 only"):
+        call(**good, q=query.float())
+
+
+def _spy(ops, calls):
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(ops, name)
+            return lambda *args: (calls.append(name), fn(*args))[1]
+
+    return Spy()
+
+
+@needs_amx
+def test_torch_backend_routes_shared_prefix_decodes_through_the_cascade(ops):
+    """Decoding sequences with decode_shared_blocks set go to the cascade kernel (alone, or
+    beside prefills in a mixed batch) once there are CASCADE_MIN_SEQS of them sharing at least
+    CASCADE_MIN_TOKENS; the result matches the kernel-free backend within bf16 rounding."""
+    import kernels.reference as reference
+
+    n_seq, bs = reference.CASCADE_MIN_SEQS, 16
+    shared = reference.CASCADE_MIN_TOKENS // bs
+    case = (bs, 9, 3, 64, shared * bs, [3 + 5 * i for i in range(n_seq + 1)])
+    k_cache, v_cache, prefix, suffix_table, _ = make_cascade(case, torch.Generator().manual_seed(8))
+    k_cache, v_cache = k_cache.nan_to_num(0), v_cache.nan_to_num(0)
+    table = torch.cat([prefix.expand(n_seq + 1, -1), suffix_table], dim=1)
+    kv_lens = [shared * bs + n for n in case[5]]
+    gen = torch.Generator().manual_seed(9)
+    calls = []
+    backend = TorchAttentionBackend(_spy(ops, calls))
+    cascade, decode, prefill = (f"paged_attention_{k}" for k in ("cascade", "decode", "prefill"))
+    runs = [  # (query lengths, shared blocks, expected kernel calls)
+        ([1] * (n_seq + 1), shared, [cascade]),
+        ([20] + [1] * n_seq, shared, [prefill, cascade]),
+        ([1] * (n_seq + 1), shared - 1, [decode]),  # prefix too short
+        ([20, 20] + [1] * (n_seq - 1), shared, [prefill, decode]),  # too few decoding
+    ]
+    for q_lens, shared_blocks, expected in runs:
+        meta = varlen_meta(q_lens, kv_lens, table)
+        meta.decode_shared_blocks = shared_blocks
+        query = torch.randn(sum(q_lens), 9, 64, generator=gen).bfloat16()
+        calls.clear()
+        got = backend.forward(query, k_cache, v_cache, meta, 0.125)
+        want = TorchAttentionBackend(None).forward(query, k_cache, v_cache, meta, 0.125)
+        assert [c for c in calls if c.startswith("paged_attention")] == expected
+        torch.testing.assert_close(got.float(), want.float(), rtol=ULP[torch.bfloat16], atol=8e-3)
+
+
+@needs_amx
+def test_llm_shared_prefix_decodes_take_the_cascade_and_keep_greedy_tokens(
+    kernel_model_dir, ops, monkeypatch
+):
+    """End to end in bf16: prompts sharing a prefix-cached 160-token start decode through the
+    cascade kernel, and the greedy tokens match those with the cascade switched off."""
+    from conftest import make_prompts
+
+    import engine.model_runner as model_runner
+    import kernels.cpu_ops as cpu_ops
+    import kernels.reference as reference
+    from engine import LLM, SamplingParams
+
+    prefix = make_prompts(1, seed=11, min_len=160, max_len=160)[0]
+    prompts = [prefix + tail for tail in make_prompts(10, seed=12, max_len=20)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    calls = []
+    spy = _spy(ops, calls)
+    monkeypatch.setattr(model_runner, "load_cpu_ops", lambda: spy)
+    monkeypatch.setattr(cpu_ops, "load_cpu_ops", lambda: spy)
+    outs = {}
+    for name, min_tokens in (("on", reference.CASCADE_MIN_TOKENS), ("off", 10**9)):
+        monkeypatch.setattr(reference, "CASCADE_MIN_TOKENS", min_tokens)
+        calls.clear()
+        with num_threads(THREADS):
+            llm = LLM(str(kernel_model_dir), dtype="bfloat16")
+            llm.generate([prefix + [7]], params, use_tqdm=False)  # the prefix, cached
+            res = llm.generate(prompts, params, use_tqdm=False)
+        outs[name] = [o.outputs[0].token_ids for o in res]
+        outs[name + "_calls"] = calls.count("paged_attention_cascade")
+    assert outs["on_calls"] > 0 and outs["off_calls"] == 0
+    assert all(len(t) == 8 for t in outs["on"])
+    # bf16 rounding differs between the two paths, so a near-tie late in a sequence may flip:
+    # all but one sequence agree token for token, and every one for its first 3 decode steps.
+    same = sum(a == b for a, b in zip(outs["on"], outs["off"]))
+    assert same >= len(prompts) - 1, (outs["on"], outs["off"])
+    assert all(a[:4] == b[:4] for a, b in zip(outs["on"], outs["off"]))
 
 
 # ---- argmax (greedy sampling) -------------------------------------------------------------------

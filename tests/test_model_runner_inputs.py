@@ -45,3 +45,36 @@ def test_released_rows_are_reused_and_table_grows_when_full():
     tables.release("a")
     assert tables.update(_out([c], [[4]]))[0] == ra
     assert tables.table[ra, 0] == 4
+
+
+# ---- the shared prefix of decoding sequences (the cascade decode's input) ----------------------
+def _shared(rows, query_lens, seq_lens, block_size=16) -> int:
+    import numpy as np
+
+    from engine.model_runner import shared_prefix_blocks
+
+    table = np.array(rows, dtype=np.int32)
+    return shared_prefix_blocks(table, np.array(query_lens), np.array(seq_lens), block_size)
+
+
+def test_shared_prefix_counts_the_common_leading_blocks_of_decoding_rows():
+    rows = [[4, 9, 2, 7, 0], [4, 9, 2, 8, 0], [4, 9, 5, 3, 0]]
+    assert _shared(rows, [1, 1, 1], [70, 70, 70]) == 2  # the third row parts at block 2
+    assert _shared(rows[:2], [1, 1], [70, 70]) == 3
+    assert _shared([[4, 9], [5, 9]], [1, 1], [20, 20]) == 0  # first blocks differ
+
+
+def test_shared_prefix_ignores_prefilling_rows_and_needs_two_decoding():
+    rows = [[4, 9, 2, 7], [1, 1, 1, 1], [4, 9, 2, 6]]
+    assert _shared(rows, [1, 30, 1], [60, 60, 60]) == 3  # the prefill row does not count
+    assert _shared(rows, [1, 30, 30], [60, 60, 60]) == 0  # one decoding row: nothing shared
+    assert _shared([[4, 9, 2, 7]], [1], [60]) == 0
+
+
+def test_shared_prefix_stops_before_each_rows_newest_token():
+    # identical rows, but the shortest sequence's newest token (position 32) is in block 2, and
+    # at 33 tokens blocks 0-1 are full: 2 shared; at 32 tokens block 1 holds the newest token.
+    rows = [[4, 9, 2, 7], [4, 9, 2, 7]]
+    assert _shared(rows, [1, 1], [33, 60]) == 2
+    assert _shared(rows, [1, 1], [32, 60]) == 1
+    assert _shared(rows, [1, 1], [1, 60]) == 0

@@ -565,9 +565,9 @@ inline void amx_configure_decode(int64_t group) {
 // AVX512-BF16 dot products and the 4 x NG accumulators in registers. Per pair of tokens the
 // two value rows are interleaved (one permute per 16 dims) and each head's (p[2t], p[2t+1])
 // is broadcast. `rows_at(t0)` gives the 16 rows from token t0 (they lie in one block).
-template <int NG, typename RowsAt>
+template <int NG, typename O, typename RowsAt>
 inline void pv_bf16(
-    c10::BFloat16* out, int64_t out_head_stride, const c10::BFloat16* probs, int64_t len_pad,
+    O* out, int64_t out_head_stride, const c10::BFloat16* probs, int64_t len_pad,
     const float* inv_sum, RowsAt rows_at, int64_t len, int64_t token_stride) {
   const __m512i lo_idx = interleave_lo16();
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
@@ -607,11 +607,13 @@ inline void pv_bf16(
   }
 }
 
+// lse, when given, receives log(sum exp(scaled scores)) per query head (indexed like the heads).
+template <typename O>
 void decode_heads_amx(
-    c10::BFloat16* out, int64_t out_head_stride, const c10::BFloat16* q, int64_t q_head_stride,
+    O* out, int64_t out_head_stride, const c10::BFloat16* q, int64_t q_head_stride,
     const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int32_t* blocks,
     int64_t len, int64_t block_size, int64_t kv_heads, int64_t h0, int64_t h1, int64_t group,
-    int64_t d, float scale, DecodeAmxScratch& s) {
+    int64_t d, float scale, DecodeAmxScratch& s, float* lse = nullptr) {
   const int64_t token_stride = kv_heads * d, len_pad = (len + 31) / 32 * 32;
   const int64_t kchunks = d / 32, nh = h1 - h0, qt_size = 16 * group * 2;
   // The 16 rows starting at token t0 (a multiple of 16) lie in one block: heads h0..h1-1.
@@ -685,7 +687,9 @@ void decode_heads_amx(
         vsum = _mm512_add_ps(vsum, e);
         store16(pg + t, e);
       }
-      inv_sum[h * group + g] = 1.0f / _mm512_reduce_add_ps(vsum);
+      const float sum = _mm512_reduce_add_ps(vsum);
+      inv_sum[h * group + g] = 1.0f / sum;
+      if (lse) lse[(h0 + h) * group + g] = _mm512_reduce_max_ps(vm) + std::log(sum);
     }
   // P x V, 64 output dims and up to 4 query heads at a time.
   for (int64_t h = 0; h < nh; ++h)
@@ -693,7 +697,7 @@ void decode_heads_amx(
       for (int64_t g0 = 0; g0 < group; g0 += 4) {
         const int64_t ng = std::min<int64_t>(4, group - g0);
         auto rows = [&](int64_t t0) { return rows_at(v_cache, t0) + h * d + d0; };
-        c10::BFloat16* o = out + ((h0 + h) * group + g0) * out_head_stride + d0;
+        O* o = out + ((h0 + h) * group + g0) * out_head_stride + d0;
         const c10::BFloat16* p = s.probs.data() + (h * group + g0) * len_pad;
         const float* inv = inv_sum.data() + h * group + g0;
         switch (ng) {
@@ -918,14 +922,16 @@ void build_vt(c10::BFloat16* dst, const c10::BFloat16* v_cache, const int32_t* b
   }
 }
 
-template <int D>
+// `visible` keys are read (pos0 + nq for a causal block); lse, when given, receives
+// log(sum exp(scaled scores)) per query.
+template <int D, typename O>
 void prefill_block_amx(
-    c10::BFloat16* out, int64_t out_stride, const c10::BFloat16* q, int64_t q_stride,
-    int64_t nq, int64_t pos0, const c10::BFloat16* k_cache, const c10::BFloat16* vt,
+    O* out, int64_t out_stride, const c10::BFloat16* q, int64_t q_stride, int64_t nq,
+    int64_t pos0, int64_t visible, const c10::BFloat16* k_cache, const c10::BFloat16* vt,
     int64_t vt_stride, const int32_t* blocks, int64_t block_size, int64_t token_stride,
-    int64_t kv_head, float scale, PrefillScratch& s) {
+    int64_t kv_head, float scale, PrefillScratch& s, float* lse = nullptr) {
   constexpr int64_t KC = D / 32;
-  const int64_t visible = pos0 + nq, vis_pad = (visible + 31) / 32 * 32;
+  const int64_t vis_pad = (visible + 31) / 32 * 32;
   // q^T tiles (queries past nq are zero)
   s.qt.assign(KC * 512, c10::BFloat16(0.0f));
   for (int64_t n = 0; n < nq; ++n) {
@@ -1059,10 +1065,19 @@ void prefill_block_amx(
   }
   alignas(64) float inv[16];
   _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), valid_q, vsum)));
-  alignas(64) float row[D];
-  for (int64_t n = 0; n < nq; ++n) {
-    for (int64_t i = 0; i < D; ++i) row[i] = s.ot[i / 16][(i % 16) * 16 + n] * inv[n];
-    for (int64_t i = 0; i < D; i += 16) store16(out + n * out_stride + i, _mm512_load_ps(row + i));
+  if (lse) {
+    alignas(64) float mx[16], sm[16];
+    _mm512_store_ps(mx, vmax);
+    _mm512_store_ps(sm, vsum);
+    for (int64_t n = 0; n < nq; ++n) lse[n] = mx[n] * scale + std::log(sm[n]);
+  }
+  // out^T tiles [16 dims][16 queries] -> rows of out: one 16 x 16 transpose per 16 dims.
+  for (int64_t j = 0; j < D / 16; ++j) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(s.ot[j] + i * 16);
+    transpose16_epi32(r);
+    for (int64_t n = 0; n < nq; ++n)
+      store16(out + n * out_stride + 16 * j, _mm512_mul_ps(_mm512_castsi512_ps(r[n]), _mm512_set1_ps(inv[n])));
   }
 }
 
@@ -1147,10 +1162,132 @@ void paged_attention_prefill(
       const int64_t local = task - task_off[b], head = local / qblocks, j0 = (local % qblocks) * 16;
       const int64_t nq = std::min<int64_t>(16, q_len - j0), h = head / group;
       const int64_t pad = (len + 31) / 32 * 32, row0 = qs[b] + j0;
-      auto run = d == 64 ? prefill_block_amx<64> : prefill_block_amx<128>;
+      auto run = d == 64 ? prefill_block_amx<64, c10::BFloat16> : prefill_block_amx<128, c10::BFloat16>;
+      const int64_t pos0 = len - q_len + j0;
       run(op + row0 * out.stride(0) + head * d, out.stride(0), qp + row0 * query.stride(0) + head * d,
-          query.stride(0), nq, len - q_len + j0, kp, vt + vt_off[b] + h * d * pad, pad,
-          bt + b * bt_stride, block_size, token_stride, h, static_cast<float>(scale), scratch);
+          query.stride(0), nq, pos0, pos0 + nq, kp, vt + vt_off[b] + h * d * pad, pad,
+          bt + b * bt_stride, block_size, token_stride, h, static_cast<float>(scale), scratch, nullptr);
+    }
+    _tile_release();
+  });
+#else
+  TORCH_CHECK(false, "built without AMX support");
+#endif
+}
+
+// ---- cascade decode: a prefix every sequence shares, then each sequence's own blocks -------
+// Decoding sequences that share their first `prefix_len` tokens (the same physical blocks,
+// a prefix-cache hit) read that prefix once for all of them instead of once each: per KV head
+// its B x G queries go through the prefill kernel 16 at a time against the prefix (all keys
+// visible), every sequence's remaining tokens through the decode kernel, and the two partial
+// results are merged by their log-sum-exp in float32, rounded to bf16 once.
+//   prefix_blocks [>= prefix_len / block_size] int32: the shared blocks;
+//   block_table [B, *] int32 and seq_lens [B]: each sequence's blocks and tokens after them.
+bool cascade_supported(int64_t head_dim, int64_t block_size, int64_t group) {
+#ifdef PAGEDSERVE_AMX
+  return prefill_amx_applies(head_dim, block_size) && decode_amx_applies(head_dim, block_size, group);
+#else
+  return false;
+#endif
+}
+
+void paged_attention_cascade(
+    const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& prefix_blocks, int64_t prefix_len,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+#ifdef PAGEDSERVE_AMX
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query: [B, H, D], D contiguous");
+  TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1, "out: [B, H, D], D contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "bf16 only");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "block_table");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens");
+  TORCH_CHECK(prefix_blocks.scalar_type() == at::kInt && prefix_blocks.is_contiguous(),
+              "prefix_blocks: int32");
+  const int64_t batch = query.size(0), heads = query.size(1), d = query.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == d && v_cache.sizes() == k_cache.sizes(),
+              "head shapes");
+  const int64_t group = heads / kv_heads;
+  TORCH_CHECK(cascade_supported(d, block_size, group), "shapes the AMX cascade does not cover");
+  TORCH_CHECK(out.size(0) == batch && out.size(1) == heads && out.size(2) == d, "out like query");
+  TORCH_CHECK(block_table.size(0) == batch && seq_lens.numel() == batch, "one row per sequence");
+  TORCH_CHECK(prefix_len >= 1 && prefix_len <= prefix_blocks.numel() * block_size,
+              "prefix_len must be in [1, len(prefix_blocks) * block_size]");
+  TORCH_CHECK(
+      all_in_range(seq_lens.data_ptr<int32_t>(), batch, 1, block_table.size(1) * block_size),
+      "seq_lens must be in [1, max_blocks * block_size]");
+  const int64_t num_blocks = k_cache.size(0);
+  TORCH_CHECK(all_in_range(prefix_blocks.data_ptr<int32_t>(), prefix_blocks.numel(), 0, num_blocks - 1),
+              "prefix_blocks out of range");
+  const auto* qp = query.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const auto* kp = k_cache.data_ptr<c10::BFloat16>();
+  const auto* vp = v_cache.data_ptr<c10::BFloat16>();
+  const int32_t* pb = prefix_blocks.data_ptr<int32_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t token_stride = kv_heads * d, pad = (prefix_len + 31) / 32 * 32;
+  const int64_t q_stride = query.stride(0), qh = query.stride(1);
+  const float fscale = static_cast<float>(scale);
+  // Reused across calls (see paged_attention_prefill): the prefix's V^T per KV head, and the
+  // suffix results in float32 with their log-sum-exp.
+  static thread_local std::vector<c10::BFloat16> vt_buf;
+  static thread_local std::vector<float> os_buf, ls_buf;
+  vt_buf.resize(kv_heads * d * pad);
+  os_buf.resize(batch * heads * d);
+  ls_buf.resize(batch * heads);
+  c10::BFloat16* vt = vt_buf.data();
+  float* os = os_buf.data();
+  float* ls = ls_buf.data();
+  // 1: V^T of the prefix per KV head, and every sequence's suffix (all heads per task).
+  at::parallel_for(0, kv_heads + batch, 1, [&](int64_t begin, int64_t end) {
+    bool tiles = false;
+    DecodeAmxScratch scratch;
+    for (int64_t task = begin; task < end; ++task) {
+      if (task < kv_heads) {
+        build_vt(vt + task * d * pad, vp, pb, prefix_len, block_size, token_stride, task, d);
+        continue;
+      }
+      if (!tiles) amx_configure_decode(group), tiles = true;
+      const int64_t b = task - kv_heads;
+      decode_heads_amx(os + b * heads * d, d, qp + b * q_stride, qh, kp, vp,
+                       bt + b * block_table.stride(0), lens[b], block_size, kv_heads, 0, kv_heads,
+                       group, d, fscale, scratch, ls + b * heads);
+    }
+    if (tiles) _tile_release();
+  });
+  // 2: per (KV head, 16 of its B x G queries): the prefix, then the merge into out.
+  const int64_t nqk = batch * group, chunks = (nqk + 15) / 16;
+  at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    amx_configure_square();
+    PrefillScratch scratch;
+    alignas(64) c10::BFloat16 qbuf[16 * 128];
+    alignas(64) float obuf[16 * 128];
+    float lse[16];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / chunks, i0 = (task % chunks) * 16;
+      const int64_t nq = std::min<int64_t>(16, nqk - i0);
+      for (int64_t n = 0; n < nq; ++n) {
+        const int64_t b = (i0 + n) / group, head = h * group + (i0 + n) % group;
+        std::memcpy(qbuf + n * d, qp + b * q_stride + head * qh, d * sizeof(c10::BFloat16));
+      }
+      auto run = d == 64 ? prefill_block_amx<64, float> : prefill_block_amx<128, float>;
+      run(obuf, d, qbuf, d, nq, prefix_len - 1, prefix_len, kp, vt + h * d * pad, pad, pb,
+          block_size, token_stride, h, fscale, scratch, lse);
+      for (int64_t n = 0; n < nq; ++n) {
+        const int64_t b = (i0 + n) / group, head = h * group + (i0 + n) % group;
+        const float lp = lse[n], lsfx = ls[b * heads + head], m = std::max(lp, lsfx);
+        const float wp = std::exp(lp - m), ws = std::exp(lsfx - m), inv = 1.0f / (wp + ws);
+        const __m512 vp_ = _mm512_set1_ps(wp * inv), vs_ = _mm512_set1_ps(ws * inv);
+        const float* sfx = os + (b * heads + head) * d;
+        c10::BFloat16* dst = op + b * out.stride(0) + head * out.stride(1);
+        for (int64_t i = 0; i < d; i += 16)
+          store16(dst + i, _mm512_fmadd_ps(_mm512_loadu_ps(obuf + n * d + i), vp_,
+                                           _mm512_mul_ps(_mm512_loadu_ps(sfx + i), vs_)));
+      }
     }
     _tile_release();
   });
@@ -1353,6 +1490,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("set_amx_decode", &set_amx_decode);
   m.def("amx_prefill_supported", &amx_prefill_supported);
   m.def("paged_attention_prefill", &paged_attention_prefill);
+  m.def("cascade_supported", &cascade_supported);
+  m.def("paged_attention_cascade", &paged_attention_cascade);
   m.def("argmax_rows", &argmax_rows);
   m.def("amx_pack_weight", &amx_pack_weight);
   m.def("amx_linear", &amx_linear);
