@@ -4,6 +4,8 @@ torch's F.linear repacks the weight on every call; a pre-packed weight skips tha
 calls go to oneDNN with a weight packed for many rows. Decode-sized calls (up to 32 rows) go to
 our AMX kernel (kernels/csrc/cpu_ops.cpp, amx_linear) where the CPU has AMX, which streams the
 weight once at close to memory speed; otherwise to oneDNN with a packing tuned for few rows.
+Narrow linears (at most 1024 outputs: SmolLM2's o_proj, down_proj and qkv) take the AMX kernel
+at every row count, which splits the output columns over all threads; oneDNN kept one busy.
 Same math as F.linear: bf16 inputs, float32 accumulation, one rounding to bf16.
 """
 
@@ -16,6 +18,9 @@ DECODE_ROWS = 32  # packing hint for decode-sized batches
 PREFILL_ROWS = 2048  # packing hint for prefill chunks
 SMALL_MAX_ROWS = 96  # row counts up to this use oneDNN's decode packing
 AMX_MAX_ROWS = 32  # row counts up to this use the AMX kernel, where it runs
+# Outputs up to this wide use the AMX kernel at every row count: on them oneDNN's prefill matmul
+# ran no faster on two threads than on one (bench/README.md, "Narrow linears").
+AMX_NARROW_MAX_OUT = 1024
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -43,7 +48,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         rows = x.shape[0]
-        if self.ops is not None and rows <= AMX_MAX_ROWS and x.stride(-1) == 1:
+        if self.ops is not None and x.stride(-1) == 1 and (
+            rows <= AMX_MAX_ROWS or self.out_features <= AMX_NARROW_MAX_OUT
+        ):
             out = x.new_empty(rows, self.out_features)
             self.ops.amx_linear(out, x, self.amx)
             return out

@@ -24,7 +24,13 @@ from torch import nn
 
 from engine.models.llama import RMSNorm, RotaryEmbedding, apply_rope
 from kernels.backend import AttentionMetadata
-from kernels.cpu_linear import AMX_MAX_ROWS, PackedLinear, can_pack, pack_linears
+from kernels.cpu_linear import (
+    AMX_MAX_ROWS,
+    AMX_NARROW_MAX_OUT,
+    PackedLinear,
+    can_pack,
+    pack_linears,
+)
 from kernels.cpu_ops import cpu_kernels_enabled, load_cpu_ops
 from kernels.reference import (
     TorchAttentionBackend,
@@ -73,6 +79,16 @@ def num_threads(n: int):
         yield
     finally:
         torch.set_num_threads(old)
+
+
+def _spy(ops, calls):
+    """ops whose every call is recorded by name in `calls`."""
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(ops, name)
+            return lambda *args: (calls.append(name), fn(*args))[1]
+
+    return Spy()
 
 
 def assert_one_rounding(got: torch.Tensor, want32: torch.Tensor, min_exact: float = 0.99):
@@ -413,6 +429,28 @@ def test_packed_linear_equals_f_linear(ops, bias, n, k):
             assert_matches_linear(packed(x), F.linear(x, linear.weight, linear.bias))
         x = torch.randn(4, 2 * k, generator=gen).bfloat16()[:, ::2]  # columns strided
         assert_matches_linear(packed(x), F.linear(x, linear.weight, linear.bias))
+
+
+@needs_amx
+def test_packed_linear_routes_narrow_outputs_to_amx_at_every_row_count(ops):
+    """Up to AMX_NARROW_MAX_OUT outputs the AMX kernel takes prefill-sized calls too; wider
+    linears take it only up to AMX_MAX_ROWS rows and leave the rest to oneDNN."""
+    gen = torch.Generator().manual_seed(12)
+    calls = []
+    spy = _spy(ops, calls)
+    for n, amx_rows in ((AMX_NARROW_MAX_OUT, ROWS), (AMX_NARROW_MAX_OUT + 16, ROWS[:3])):
+        linear = nn.Linear(64, n, bias=False).bfloat16()
+        linear.weight.data = torch.randn(n, 64, generator=gen).bfloat16()
+        packed = PackedLinear(linear, spy)
+        taken = []
+        with torch.inference_mode():
+            for rows in ROWS:
+                calls.clear()
+                x = torch.randn(rows, 64, generator=gen).bfloat16()
+                assert_matches_linear(packed(x), F.linear(x, linear.weight))
+                if "amx_linear" in calls:
+                    taken.append(rows)
+        assert taken == amx_rows, f"{n} outputs"
 
 
 def test_pack_linears_swaps_every_linear(ops):
@@ -798,15 +836,6 @@ def test_paged_attention_cascade_refuses_bad_arguments(ops):
             call(**args)
     with pytest.raises(RuntimeError, match="bf16 only"):
         call(**good, q=query.float())
-
-
-def _spy(ops, calls):
-    class Spy:
-        def __getattr__(self, name):
-            fn = getattr(ops, name)
-            return lambda *args: (calls.append(name), fn(*args))[1]
-
-    return Spy()
 
 
 @needs_amx
