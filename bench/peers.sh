@@ -5,12 +5,17 @@
 #   hf-static    transformers generate on padded batches of 32, bf16 (bench/hf_static.py)
 # Each server starts on loopback, takes the workloads one after another, and is stopped before
 # the next peer starts. Prints one table with ratios against pagedserve; JSON under bench/results.
+# ROUNDS=N (N > 1) instead keeps pagedserve and vLLM up side by side and alternates them, round
+# by round and workload by workload, on fresh prompts each round (seed = round), so drift of the
+# machine hits both alike; hf-static runs in round 1 only. report.py then prints every round's
+# table and the median per-round ratio.
 #
 #   bash bench/peers.sh                       # std and prefix, all peers
 #   WORKLOADS="std" PEERS="pagedserve vllm" NUM_REQUESTS=16 bash bench/peers.sh   # quick look
 #   PAGEDSERVE_ARGS="--max-num-batched-tokens 1024" ...   # extra flags for pagedserve serve
 #   CLIENT=vllm bash bench/peers.sh           # drive the servers with `vllm bench serve` instead
 #                                             # (vLLM's own client; hf-static keeps its own loop)
+#   ROUNDS=3 bash bench/peers.sh              # pagedserve and vLLM interleaved, three rounds
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-/work/main/.venv/bin/python}
@@ -25,17 +30,20 @@ VENV_VLLM=bench/.venv-vllm
 mkdir -p "$OUT"
 N_ARGS=()
 [ -n "${NUM_REQUESTS:-}" ] && N_ARGS=(--num-requests "$NUM_REQUESTS")
+ROUNDS=${ROUNDS:-1}
 SERVER_PID=
+SERVER_PIDS=()  # every server started, for the exit trap
 
-stop_server() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill -INT "$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
-    kill -KILL "$SERVER_PID" 2>/dev/null || true
+stop_pid() {
+  if [ -n "$1" ] && kill -0 "$1" 2>/dev/null; then
+    kill -INT "$1" 2>/dev/null || true
+    for _ in $(seq 30); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$1" 2>/dev/null || true
   fi
-  SERVER_PID=
 }
-trap stop_server EXIT
+stop_server() { stop_pid "$SERVER_PID"; SERVER_PID=; }
+stop_all() { for pid in "${SERVER_PIDS[@]}"; do stop_pid "$pid"; done; }
+trap stop_all EXIT
 
 wait_ready() {  # $1: log file; up to 15 minutes on a loaded machine
   for _ in $(seq 900); do
@@ -47,11 +55,13 @@ wait_ready() {  # $1: log file; up to 15 minutes on a loaded machine
 }
 
 run_workloads() {  # $1: label
-  for w in $WORKLOADS; do
-    if [ "${CLIENT:-serve}" = vllm ]; then run_vllm_client "$1" "$w"; continue; fi
-    "$PY" bench/serve.py --base-url "http://127.0.0.1:$PORT" --model-dir "$MODEL_DIR" \
-      --workload "$w" --label "$1" --out "$OUT/$1-$w.json" "${N_ARGS[@]}"
-  done
+  for w in $WORKLOADS; do run_one "$1" "$w"; done
+}
+
+run_one() {  # $1: label, $2: workload; into $OUT, prompts from seed ${SEED:-0}
+  if [ "${CLIENT:-serve}" = vllm ]; then run_vllm_client "$1" "$2"; return; fi
+  "$PY" bench/serve.py --base-url "http://127.0.0.1:$PORT" --model-dir "$MODEL_DIR" \
+    --workload "$2" --label "$1" --out "$OUT/$1-$2.json" --seed "${SEED:-0}" "${N_ARGS[@]}"
 }
 
 run_vllm_client() {  # $1: label, $2: workload; the same shapes through vLLM's benchmark client
@@ -65,7 +75,7 @@ run_vllm_client() {  # $1: label, $2: workload; the same shapes through vLLM's b
   "$VENV_VLLM/bin/vllm" bench serve --backend openai --base-url "http://127.0.0.1:$PORT" \
     --endpoint /v1/completions --model bench --tokenizer "$MODEL_DIR" --dataset-name random \
     "${shape[@]}" --num-prompts "${NUM_REQUESTS:-64}" --max-concurrency 32 --ignore-eos \
-    --seed 0 --percentile-metrics ttft,itl,e2el --metric-percentiles 50,90,99 --save-result \
+    --seed "${SEED:-0}" --percentile-metrics ttft,itl,e2el --metric-percentiles 50,90,99 --save-result \
     --result-dir "$OUT" --result-filename "vllm-client-$1-$2.raw" >"$OUT/vllm-client-$1-$2.log" 2>&1 \
     || { tail -20 "$OUT/vllm-client-$1-$2.log"; return 1; }
   "$PY" bench/report.py --from-vllm "$OUT/vllm-client-$1-$2.raw" --label "$1" --workload "$2" \
@@ -78,6 +88,7 @@ start_pagedserve() {
     --max-model-len 2048 --port "$PORT" --log-level warning ${PAGEDSERVE_ARGS:-} \
     >"$OUT/pagedserve.log" 2>&1 &
   SERVER_PID=$!
+  SERVER_PIDS+=("$SERVER_PID")
 }
 
 start_vllm() {
@@ -92,7 +103,50 @@ start_vllm() {
     --served-model-name bench --dtype bfloat16 --max-model-len 2048 \
     --host 127.0.0.1 --port "$PORT" >"$OUT/vllm.log" 2>&1 &
   SERVER_PID=$!
+  SERVER_PIDS+=("$SERVER_PID")
 }
+
+run_hf_static() {
+  for w in $WORKLOADS; do
+    "$PY" bench/hf_static.py --model-dir "$MODEL_DIR" --workload "$w" \
+      --out "$OUT/hf-static-$w.json" "${N_ARGS[@]}"
+  done
+}
+
+if [ "$ROUNDS" -gt 1 ]; then
+  # pagedserve on $PORT, vLLM on $PORT + 1, both up for the whole run
+  BASE_OUT=$OUT BASE_PORT=$PORT
+  declare -A PORT_OF PID_OF
+  for peer in $PEERS; do
+    case $peer in
+      pagedserve) PORT=$BASE_PORT; start_pagedserve; wait_ready "$OUT/pagedserve.log" ;;
+      vllm) PORT=$((BASE_PORT + 1)); start_vllm; wait_ready "$OUT/vllm.log" ;;
+      *) continue ;;
+    esac
+    PORT_OF[$peer]=$PORT PID_OF[$peer]=$SERVER_PID
+  done
+  servers=("${!PORT_OF[@]}")
+  for r in $(seq "$ROUNDS"); do
+    OUT=$BASE_OUT/round$r SEED=$r
+    mkdir -p "$OUT"
+    order=("${servers[@]}")
+    if [ $((r % 2)) = 0 ]; then order=(); for ((i=${#servers[@]}-1; i>=0; i--)); do order+=("${servers[i]}"); done; fi
+    echo "=== round $r: ${order[*]} ($(date -u +%H:%M:%S))"
+    for w in $WORKLOADS; do
+      for peer in "${order[@]}"; do
+        PORT=${PORT_OF[$peer]} SERVER_PID=${PID_OF[$peer]}
+        label=$peer; [ "$peer" = vllm ] && label=vllm-cpu
+        run_one "$label" "$w"
+      done
+    done
+    # the idle servers stay up: between requests neither takes CPU (checked with top)
+    if [ "$r" = 1 ] && [[ " $PEERS " == *" hf-static "* ]]; then run_hf_static; fi
+  done
+  stop_all
+  echo "load average during the run: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) cores"
+  "$PY" bench/report.py "$BASE_OUT" --rounds --plots bench/plots
+  exit 0
+fi
 
 for peer in $PEERS; do
   echo "=== $peer ($(date -u +%H:%M:%S))"
@@ -100,11 +154,7 @@ for peer in $PEERS; do
     pagedserve) start_pagedserve; wait_ready "$OUT/pagedserve.log" && run_workloads pagedserve
                 stop_server ;;
     vllm) start_vllm; wait_ready "$OUT/vllm.log" && run_workloads vllm-cpu; stop_server ;;
-    hf-static)
-      for w in $WORKLOADS; do
-        "$PY" bench/hf_static.py --model-dir "$MODEL_DIR" --workload "$w" \
-          --out "$OUT/hf-static-$w.json" "${N_ARGS[@]}"
-      done ;;
+    hf-static) run_hf_static ;;
     *) echo "unknown peer $peer"; exit 2 ;;
   esac
 done

@@ -1,6 +1,7 @@
 """The peers table (ratios against pagedserve from the same run) and its PNG plots.
 
 python bench/report.py bench/results/<run> [--plots bench/plots]
+python bench/report.py bench/results/<run> --rounds    # an interleaved run (ROUNDS=N peers.sh)
 python bench/report.py --from-vllm RESULT.json --label L --workload W --out SUMMARY.json
 
 The second form turns a `vllm bench serve --save-result` file into bench/serve.py's summary
@@ -49,6 +50,34 @@ def format_table(table: dict[str, dict[str, dict]]) -> str:
                 f"{t['median']:.0f} | {t['p90']:.0f} | {t['p99']:.0f} | "
                 f"{i['median']:.1f} | {i['p90']:.1f} | {i['p99']:.1f} |"
             )
+    return "\n".join(lines)
+
+
+def format_rounds(tables: list[dict[str, dict[str, dict]]]) -> str:
+    """Per workload and peer: out tok/s and TTFT median in each round, pagedserve / peer per
+    round, and the median of those ratios (the rounds ran the peers back to back)."""
+    import statistics
+
+    head = (
+        "| workload | peer | out tok/s per round | pagedserve / peer per round | median | "
+        "TTFT med ms per round |\n|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    workloads = [w for w in tables[0] if all(w in t for t in tables)]
+    for w in workloads:
+        labels = _order({label for t in tables for label in t[w]})
+        for label in labels:
+            runs = [t[w].get(label) for t in tables]
+            tps = " / ".join(f"{r['output_throughput']:.1f}" if r else "-" for r in runs)
+            ttft = " / ".join(f"{r['ttft_ms']['median']:.0f}" if r else "-" for r in runs)
+            ratios = [
+                t[w][BASELINE]["output_throughput"] / r["output_throughput"]
+                for t, r in zip(tables, runs)
+                if r and BASELINE in t[w]
+            ]
+            each = " / ".join(f"{x:.2f}" for x in ratios) if label != BASELINE else "-"
+            med = f"{statistics.median(ratios):.2f}" if ratios and label != BASELINE else "-"
+            lines.append(f"| {w} | {label} | {tps} | {each} | {med} | {ttft} |")
     return "\n".join(lines)
 
 
@@ -119,6 +148,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("run_dir", type=Path, nargs="?")
     p.add_argument("--plots", type=Path, help="write PNG plots into this folder")
+    p.add_argument("--rounds", action="store_true", help="run_dir holds round1, round2, ...")
     p.add_argument("--from-vllm", type=Path, help="convert this vllm bench serve result")
     p.add_argument("--label")
     p.add_argument("--workload")
@@ -128,8 +158,17 @@ def main() -> None:
         summary = from_vllm_bench(json.loads(args.from_vllm.read_text()), args.label, args.workload)
         args.out.write_text(json.dumps(summary, indent=2))
         return
-    table = load_results(args.run_dir)
-    text = format_table(table)
+    if args.rounds:
+        dirs = sorted(args.run_dir.glob("round*"), key=lambda d: int(d.name[5:]))
+        tables = [load_results(d) for d in dirs]
+        for d, t in zip(dirs, tables):
+            print(f"{d.name}:\n{format_table(t)}\n")
+            (d / "table.md").write_text(format_table(t) + "\n")
+        text = format_rounds(tables)
+        table = tables[0]  # the plots: round 1, which has every peer
+    else:
+        table = load_results(args.run_dir)
+        text = format_table(table)
     print(text)
     (args.run_dir / "table.md").write_text(text + "\n")
     if args.plots:
