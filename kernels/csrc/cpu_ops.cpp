@@ -1432,12 +1432,17 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
           const auto [a0, lda0] = a_tile(m0);
           const auto [a1, lda1] = two_m ? a_tile(m0 + 16) : a_tile(m0);
           for (int64_t kb = 0; kb < kt; ++kb) {
-            if (m0 == pass && kb + kPrefetchTiles < kt) {  // B streams from memory: fetch ahead
-              const char* f0 = reinterpret_cast<const char*>(b0 + (kb + kPrefetchTiles) * 512);
-              const char* f1 = reinterpret_cast<const char*>(b1 + (kb + kPrefetchTiles) * 512);
+            // B streams from memory: fetch ahead, into this thread's next chunk near the end
+            // (chunks lie back to back: its tiles start 2 * kt tiles after this one's)
+            const int64_t ahead = kb + kPrefetchTiles;
+            if (m0 == pass && (ahead < kt || (chunk + 1 < end && ahead < 2 * kt))) {
+              const c10::BFloat16* f = ahead < kt ? b0 + ahead * 512 : b0 + (kt + ahead) * 512;
+              const char* f0 = reinterpret_cast<const char*>(f);
+              const char* f1 = reinterpret_cast<const char*>(f + kt * 512);
+              const bool next_two = ahead < kt ? two : n0 + 3 < nt;
               for (int line = 0; line < 1024; line += 64) {
                 _mm_prefetch(f0 + line, _MM_HINT_T0);
-                if (two) _mm_prefetch(f1 + line, _MM_HINT_T0);
+                if (next_two) _mm_prefetch(f1 + line, _MM_HINT_T0);
               }
             }
             _tile_loadd(4, a0 + kb * 32, lda0);
