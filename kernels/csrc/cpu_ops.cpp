@@ -675,7 +675,8 @@ void decode_heads_amx(
         _mm512_storeu_ps(sg + t, v);
         vmax = _mm512_mask_max_ps(vmax, live, vmax, v);
       }
-      const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+      const float max_score = _mm512_reduce_max_ps(vmax);
+      const __m512 vm = _mm512_set1_ps(max_score);
       c10::BFloat16* pg = s.probs.data() + (h * group + g) * len_pad;
       int64_t t = 0;
       __m512 vsum = _mm512_setzero_ps();
@@ -689,7 +690,7 @@ void decode_heads_amx(
       }
       const float sum = _mm512_reduce_add_ps(vsum);
       inv_sum[h * group + g] = 1.0f / sum;
-      if (lse) lse[(h0 + h) * group + g] = _mm512_reduce_max_ps(vm) + std::log(sum);
+      if (lse) lse[(h0 + h) * group + g] = max_score + std::log(sum);
     }
   // P x V, 64 output dims and up to 4 query heads at a time.
   for (int64_t h = 0; h < nh; ++h)
@@ -1267,23 +1268,24 @@ void paged_attention_cascade(
     alignas(64) c10::BFloat16 qbuf[16 * 128];
     alignas(64) float obuf[16 * 128];
     float lse[16];
+    int64_t seq[16], head[16];  // query n of the task: (sequence, query head)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / chunks, i0 = (task % chunks) * 16;
       const int64_t nq = std::min<int64_t>(16, nqk - i0);
       for (int64_t n = 0; n < nq; ++n) {
-        const int64_t b = (i0 + n) / group, head = h * group + (i0 + n) % group;
-        std::memcpy(qbuf + n * d, qp + b * q_stride + head * qh, d * sizeof(c10::BFloat16));
+        seq[n] = (i0 + n) / group, head[n] = h * group + (i0 + n) % group;
+        std::memcpy(qbuf + n * d, qp + seq[n] * q_stride + head[n] * qh, d * sizeof(c10::BFloat16));
       }
       auto run = d == 64 ? prefill_block_amx<64, float> : prefill_block_amx<128, float>;
       run(obuf, d, qbuf, d, nq, prefix_len - 1, prefix_len, kp, vt + h * d * pad, pad, pb,
           block_size, token_stride, h, fscale, scratch, lse);
       for (int64_t n = 0; n < nq; ++n) {
-        const int64_t b = (i0 + n) / group, head = h * group + (i0 + n) % group;
-        const float lp = lse[n], lsfx = ls[b * heads + head], m = std::max(lp, lsfx);
+        const int64_t b = seq[n];
+        const float lp = lse[n], lsfx = ls[b * heads + head[n]], m = std::max(lp, lsfx);
         const float wp = std::exp(lp - m), ws = std::exp(lsfx - m), inv = 1.0f / (wp + ws);
         const __m512 vp_ = _mm512_set1_ps(wp * inv), vs_ = _mm512_set1_ps(ws * inv);
-        const float* sfx = os + (b * heads + head) * d;
-        c10::BFloat16* dst = op + b * out.stride(0) + head * out.stride(1);
+        const float* sfx = os + (b * heads + head[n]) * d;
+        c10::BFloat16* dst = op + b * out.stride(0) + head[n] * out.stride(1);
         for (int64_t i = 0; i < d; i += 16)
           store16(dst + i, _mm512_fmadd_ps(_mm512_loadu_ps(obuf + n * d + i), vp_,
                                            _mm512_mul_ps(_mm512_loadu_ps(sfx + i), vs_)));
