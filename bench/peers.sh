@@ -132,6 +132,7 @@ if [ "$ROUNDS" -gt 1 ]; then
     order=("${servers[@]}")
     if [ $((r % 2)) = 0 ]; then order=(); for ((i=${#servers[@]}-1; i>=0; i--)); do order+=("${servers[i]}"); done; fi
     echo "=== round $r: ${order[*]} ($(date -u +%H:%M:%S))"
+    "$PY" bench/machine_probe.py --out "$OUT/machine-before.json"
     for w in $WORKLOADS; do
       for peer in "${order[@]}"; do
         PORT=${PORT_OF[$peer]} SERVER_PID=${PID_OF[$peer]}
@@ -139,6 +140,7 @@ if [ "$ROUNDS" -gt 1 ]; then
         run_one "$label" "$w"
       done
     done
+    "$PY" bench/machine_probe.py --out "$OUT/machine-after.json"
     # the idle servers stay up: between requests neither takes CPU (checked with top)
     if [ "$r" = 1 ] && [[ " $PEERS " == *" hf-static "* ]]; then run_hf_static; fi
   done

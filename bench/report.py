@@ -81,6 +81,22 @@ def format_rounds(tables: list[dict[str, dict[str, dict]]]) -> str:
     return "\n".join(lines)
 
 
+def format_machine(round_dirs: list[Path]) -> str:
+    """The machine's state before and after each round (bench/machine_probe.py), if recorded."""
+    lines = []
+    for d in round_dirs:
+        probes = [d / f"machine-{when}.json" for when in ("before", "after")]
+        got = [json.loads(p.read_text()) for p in probes if p.exists()]
+        if got:
+            each = ", then ".join(
+                f"{g['bf16_matmul_tflops']:.2f} TFLOP/s bf16 matmul, "
+                f"{g['read_gb_per_s']:.1f} GB/s read"
+                for g in got
+            )
+            lines.append(f"- {d.name}: {each}")
+    return "\n\nMachine before and after each round:\n" + "\n".join(lines) if lines else ""
+
+
 def plot(table: dict[str, dict[str, dict]], out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -164,7 +180,7 @@ def main() -> None:
         for d, t in zip(dirs, tables):
             print(f"{d.name}:\n{format_table(t)}\n")
             (d / "table.md").write_text(format_table(t) + "\n")
-        text = format_rounds(tables)
+        text = format_rounds(tables) + format_machine(dirs)
         table = tables[0]  # the plots: round 1, which has every peer
     else:
         table = load_results(args.run_dir)

@@ -564,7 +564,10 @@ inline void amx_configure_decode(int64_t group) {
 // out[g, d0:d0+64] for NG query heads of one KV head: P [NG, len] (bf16 pairs) x V, with
 // AVX512-BF16 dot products and the 4 x NG accumulators in registers. Per pair of tokens the
 // two value rows are interleaved (one permute per 16 dims) and each head's (p[2t], p[2t+1])
-// is broadcast. `rows_at(t0)` gives the 16 rows from token t0 (they lie in one block).
+// is broadcast. `rows_at(t0)` gives the 16 rows from token t0 (they lie in one block). V
+// streams from memory here, prefetched a tile ahead: fetched into L2 during the K pass instead,
+// it queued behind K for the core's few outstanding misses and the pass ran 1.05-1.17x slower
+// (bench/README.md, "Decode attention: V streams during P x V").
 template <int NG, typename O, typename RowsAt>
 inline void pv_bf16(
     O* out, int64_t out_head_stride, const c10::BFloat16* probs, int64_t len_pad,
@@ -594,6 +597,13 @@ inline void pv_bf16(
   };
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const c10::BFloat16* rows = rows_at(t0);
+    if (t0 + 16 < len) {  // the next 16 rows' 64 dims (two lines each) on their way from memory
+      const char* next = reinterpret_cast<const char*>(rows_at(t0 + 16));
+      for (int64_t r = 0; r < 16; ++r, next += token_stride * 2) {
+        _mm_prefetch(next, _MM_HINT_T0);
+        _mm_prefetch(next + 64, _MM_HINT_T0);
+      }
+    }
     const int64_t n = std::min<int64_t>(16, len - t0);
     int64_t i = 0;
     for (; i + 2 <= n; i += 2)
@@ -642,7 +652,6 @@ void decode_heads_amx(
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const c10::BFloat16* k0 = rows_at(k_cache, t0);
     if (t0 + 16 < len) prefetch_rows(rows_at(k_cache, t0 + 16), _MM_HINT_T0);
-    prefetch_rows(rows_at(v_cache, t0), _MM_HINT_T1);  // into L2 for the P x V pass
     for (int64_t h = 0; h < nh; ++h) {
       _tile_zero(2);
       for (int64_t c = 0; c < kchunks; ++c) {
