@@ -197,7 +197,10 @@ class TorchAttentionBackend:
         self._prefill_args: tuple | None = None
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        write_kv_by_slot(key, value, k_cache, v_cache, slot_mapping)
+        if self.ops is not None and k_cache.device.type == "cpu":
+            self.ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        else:
+            write_kv_by_slot(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         shared = meta.decode_shared_blocks

@@ -37,6 +37,7 @@ from kernels.reference import (
     gather_kv,
     paged_attention,
     paged_decode_attention,
+    write_kv_by_slot,
 )
 
 # One unit in the last place, relative: the largest gap one rounding step can open.
@@ -83,6 +84,7 @@ def num_threads(n: int):
 
 def _spy(ops, calls):
     """ops whose every call is recorded by name in `calls`."""
+
     class Spy:
         def __getattr__(self, name):
             fn = getattr(ops, name)
@@ -199,6 +201,65 @@ def test_silu_and_mul_matches_torch(ops, dtype, inter):
     assert_one_rounding(out, (F.silu(x[:, :inter]).float() * x[:, inter:].float()))
     want = F.silu(x[:, :inter]) * x[:, inter:]
     torch.testing.assert_close(out, want, rtol=max(ULP[dtype], 1e-5), atol=1e-6)
+
+
+# ---- writing new K/V into the paged cache -------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [3, 200])  # 200: more than one parallel grain of rows
+def test_write_kv_equals_index_copy_on_strided_views(ops, dtype, tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    kv_heads, d, blocks, bs = 3, 64, 40, 16
+    # key and value as the model hands them over: views of one fused qkv row per token
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * d, generator=gen).to(dtype)
+    key = qkv[:, 9 * d : (9 + kv_heads) * d].view(tokens, kv_heads, d)
+    value = qkv[:, (9 + kv_heads) * d :].view(tokens, kv_heads, d)
+    slots = torch.randperm(blocks * bs, generator=gen)[:tokens]
+    k_cache = torch.full((blocks, bs, kv_heads, d), float("nan"), dtype=dtype)
+    v_cache = torch.full((blocks, bs, kv_heads, d), float("nan"), dtype=dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    write_kv_by_slot(key, value, want_k, want_v, slots)
+
+    ops.write_kv(key, value, k_cache, v_cache, slots)
+
+    # bit-equal, the NaN of every slot no token was written to included
+    assert torch.equal(_bits(k_cache), _bits(want_k))
+    assert torch.equal(_bits(v_cache), _bits(want_v))
+    assert k_cache.view(-1, kv_heads, d)[slots].isnan().sum() == 0
+    assert v_cache.isnan().sum() == (blocks * bs - tokens) * kv_heads * d
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def test_write_kv_refuses_bad_arguments(ops):
+    k_cache = torch.zeros(4, 16, 2, 64)
+    key = torch.randn(3, 2, 64)
+    ok = torch.tensor([0, 5, 63])
+    for bad in ([0, 64, 1], [0, -1, 1]):  # past the cache, negative
+        with pytest.raises(RuntimeError, match="slot outside the cache"):
+            ops.write_kv(key, key, k_cache, k_cache.clone(), torch.tensor(bad))
+    with pytest.raises(RuntimeError, match="one slot per token"):
+        ops.write_kv(key, key, k_cache, k_cache.clone(), ok[:2])
+    with pytest.raises(RuntimeError, match="dtypes must agree"):
+        ops.write_kv(key.bfloat16(), key.bfloat16(), k_cache, k_cache.clone(), ok)
+    with pytest.raises(RuntimeError, match="head shapes"):
+        ops.write_kv(torch.randn(3, 1, 64), torch.randn(3, 1, 64), k_cache, k_cache.clone(), ok)
+    with pytest.raises(RuntimeError, match="slots"):
+        ops.write_kv(key, key, k_cache, k_cache.clone(), ok.int())
+    assert torch.equal(k_cache, torch.zeros(4, 16, 2, 64)), "a refused call wrote to the cache"
+
+
+def test_torch_backend_writes_kv_through_the_kernel(ops):
+    calls: list[str] = []
+    backend = TorchAttentionBackend(_spy(ops, calls))
+    key, value = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+    k_cache, v_cache = torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64)
+    slots = torch.tensor([3, 17, 18, 40, 63])
+    backend.write_kv(key, value, k_cache, v_cache, slots)
+    assert calls == ["write_kv"]
+    assert torch.equal(k_cache.view(-1, 2, 64)[slots], key)
+    assert torch.equal(v_cache.view(-1, 2, 64)[slots], value)
 
 
 # ---- paged decode attention ---------------------------------------------------------------------
@@ -711,10 +772,12 @@ def test_paged_prefill_refuses_bad_lengths(ops):
     i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     good = (i32(0), i32(4), i32(20))
     ops.paged_attention_prefill(out, query, k_cache, v_cache, block_table, *good, 0.125)
-    for bad in [(i32(1), i32(4), i32(20)),  # rows past the end of query
-                (i32(0), i32(4), i32(3)),  # more queries than context
-                (i32(0), i32(0), i32(20)),  # no query
-                (i32(0), i32(4), i32(49))]:  # context beyond the block table (3 blocks of 16)
+    for bad in [
+        (i32(1), i32(4), i32(20)),  # rows past the end of query
+        (i32(0), i32(4), i32(3)),  # more queries than context
+        (i32(0), i32(0), i32(20)),  # no query
+        (i32(0), i32(4), i32(49)),
+    ]:  # context beyond the block table (3 blocks of 16)
         with pytest.raises(RuntimeError):
             ops.paged_attention_prefill(out, query, k_cache, v_cache, block_table, *bad, 0.125)
 
@@ -780,8 +843,10 @@ def cascade_reference(query, k_cache, v_cache, prefix, prefix_len, table, suffix
     """float32 attention of each query over the prefix's tokens followed by its own."""
     out = []
     for i, n in enumerate(suffix_lens):
-        keys = [torch.cat([gather_kv(c, prefix, prefix_len), gather_kv(c, table[i], n)]).float()
-                for c in (k_cache, v_cache)]
+        keys = [
+            torch.cat([gather_kv(c, prefix, prefix_len), gather_kv(c, table[i], n)]).float()
+            for c in (k_cache, v_cache)
+        ]
         q = query[i].float()[None, :, None]  # [1, H, 1, D]
         k, v = (t.transpose(0, 1)[None] for t in keys)  # [1, Hkv, L, D]
         o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)

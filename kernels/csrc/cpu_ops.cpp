@@ -2,6 +2,7 @@
 //   rms_norm, fused_add_rms_norm   Llama RMSNorm (Hugging Face's rounding), residual add fused
 //   rotary_embedding                rotate-half RoPE in place on q and k, from a cos|sin cache
 //   silu_and_mul                    SwiGLU: silu(x[:, :I]) * x[:, I:]
+//   write_kv                        new tokens' K and V into their cache slots
 //   paged_attention_decode          one query token per sequence over its paged K/V, GQA-aware
 // Built on first use by kernels/cpu_ops.py (torch.utils.cpp_extension); the torch ops in
 // engine/models/llama.py and kernels/reference.py are the oracle the tests compare against.
@@ -162,15 +163,36 @@ void amx_configure() {
 template <typename T>
 void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
   float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#ifdef PAGEDSERVE_AVX512
+  // 16 lanes at a time (the scalar loops below round through c10's one-value conversions)
+  if constexpr (kVec<T>) {
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = load16(x + i);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    ss = _mm512_reduce_add_ps(acc);
+  }
+#endif
+  for (; i < n; ++i) {
     float v = to_f(x[i]);
     ss += v * v;
   }
   float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
   // Hugging Face: (x * rsqrt(mean(x^2) + eps)).to(dtype), then weight * that in dtype.
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
+  i = 0;
+#ifdef PAGEDSERVE_AVX512
+  if constexpr (kVec<T>) {
+    const __m512 vr = _mm512_set1_ps(r);
+    for (; i + 16 <= n; i += 16) {
+      __m512 normed = _mm512_mul_ps(load16(x + i), vr);
+      if constexpr (!std::is_same_v<T, float>) normed = round_bf16(normed);
+      store16(out + i, _mm512_mul_ps(load16(w + i), normed));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
     float normed = to_f(from_f<T>(to_f(x[i]) * r));
     out[i] = from_f<T>(to_f(w[i]) * normed);
   }
@@ -215,8 +237,12 @@ void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
 
 template <typename T>
 void add_rms_norm_row(T* x, T* residual, const T* w, int64_t n, float eps) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) residual[i] = from_f<T>(to_f(x[i]) + to_f(residual[i]));
+  int64_t i = 0;
+#ifdef PAGEDSERVE_AVX512
+  if constexpr (kVec<T>)
+    for (; i + 16 <= n; i += 16) store16(residual + i, _mm512_add_ps(load16(x + i), load16(residual + i)));
+#endif
+  for (; i < n; ++i) residual[i] = from_f<T>(to_f(x[i]) + to_f(residual[i]));
   rms_norm_row(x, residual, w, n, eps);
 }
 
@@ -249,8 +275,18 @@ void rope_heads(T* x, int64_t heads, int64_t d, const T* cs) {
   const int64_t half = d / 2;
   for (int64_t h = 0; h < heads; ++h) {
     T* v = x + h * d;
+    int64_t i0 = 0;
+#ifdef PAGEDSERVE_AVX512
+    if constexpr (kVec<T>)
+      for (; i0 + 16 <= half; i0 += 16) {
+        const __m512 c = load16(cs + i0), s = load16(cs + half + i0);
+        const __m512 x1 = load16(v + i0), x2 = load16(v + half + i0);
+        store16(v + i0, _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s)));
+        store16(v + half + i0, _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s)));
+      }
+#endif
 #pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
+    for (int64_t i = i0; i < half; ++i) {
       float c = to_f(cs[i]), s = to_f(cs[half + i]);
       float x1 = to_f(v[i]), x2 = to_f(v[half + i]);
       v[i] = from_f<T>(x1 * c - x2 * s);
@@ -289,6 +325,42 @@ void rotary_embedding(
           }
         });
       });
+}
+
+// k_cache / v_cache [blocks, block_size, kv_heads, D] at flat slot s <- key / value [T, kv_heads, D]
+// row t: what index_copy_ on the caches' [slots, kv_heads, D] view does, without its per-call
+// setup (which cost more than the copy at decode sizes).
+void write_kv(
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key, value: [T, kv_heads, D]");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2), "key: heads contiguous per token");
+  TORCH_CHECK(value.stride(2) == 1 && value.stride(1) == value.size(2), "value: heads contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must match");
+  TORCH_CHECK(k_cache.size(2) == key.size(1) && k_cache.size(3) == key.size(2), "head shapes");
+  TORCH_CHECK(
+      key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type() &&
+          v_cache.scalar_type() == k_cache.scalar_type(),
+      "dtypes must agree");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slots");
+  const int64_t tokens = key.size(0);
+  TORCH_CHECK(slot_mapping.numel() == tokens, "one slot per token");
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slot_mapping.data_ptr<int64_t>();
+  TORCH_CHECK(all_in_range(sp, tokens, 0, slots - 1), "slot outside the cache");
+  const int64_t row = key.size(1) * key.size(2), bytes = row * key.element_size();
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  at::parallel_for(0, tokens, row_grain(2 * row), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);
+      std::memcpy(vc + sp[t] * bytes, vp + t * vs, bytes);
+    }
+  });
 }
 
 template <typename T>
@@ -1501,6 +1573,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm);
   m.def("rotary_embedding", &rotary_embedding);
   m.def("silu_and_mul", &silu_and_mul);
+  m.def("write_kv", &write_kv);
   m.def("paged_attention_decode", &paged_attention_decode);
   m.def("amx_available", &amx_available);
   m.def("set_amx_decode", &set_amx_decode);
