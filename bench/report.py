@@ -22,6 +22,8 @@ def load_results(run_dir: Path) -> dict[str, dict[str, dict]]:
     """workload -> label -> summary."""
     table: dict[str, dict[str, dict]] = {}
     for f in sorted(run_dir.glob("*.json")):
+        if f.name.startswith("machine-"):  # bench/machine_probe.py's readings
+            continue
         s = json.loads(f.read_text())
         table.setdefault(s["workload"], {})[s["label"]] = s
     return table
