@@ -1521,6 +1521,16 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
             }
           }
         };
+        // C tiles 0 (and 1) += 16 rows of x (A tile 4) x the chunk's K-step kb (B tiles 6, 7)
+        auto dot_rows = [&](const c10::BFloat16* a, int64_t lda, int64_t kb) {
+          _tile_loadd(4, a + kb * 32, lda);
+          _tile_loadd(6, b0 + kb * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two) {
+            _tile_loadd(7, b1 + kb * 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+        };
         for (int64_t m0 = pass; m0 < pass_end; m0 += 32) {
           const bool two_m = m0 + 16 < pass_end;
           if (two_m && pass_end - pass <= 32) {
@@ -1533,13 +1543,7 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
               _tile_zero(1);
               for (int64_t kb = 0; kb < kt; ++kb) {
                 if (mi == 0) prefetch_b(kb);
-                _tile_loadd(4, a + kb * 32, lda);
-                _tile_loadd(6, b0 + kb * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                if (two) {
-                  _tile_loadd(7, b1 + kb * 512, 64);
-                  _tile_dpbf16ps(1, 4, 7);
-                }
+                dot_rows(a, lda, kb);
               }
               _tile_stored(0, cbuf[2 * mi], 64);
               if (two) _tile_stored(1, cbuf[2 * mi + 1], 64);
@@ -1553,13 +1557,7 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
             const auto [a1, lda1] = two_m ? a_tile(m0 + 16) : a_tile(m0);
             for (int64_t kb = 0; kb < kt; ++kb) {
               if (m0 == pass) prefetch_b(kb);
-              _tile_loadd(4, a0 + kb * 32, lda0);
-              _tile_loadd(6, b0 + kb * 512, 64);
-              _tile_dpbf16ps(0, 4, 6);
-              if (two) {
-                _tile_loadd(7, b1 + kb * 512, 64);
-                _tile_dpbf16ps(1, 4, 7);
-              }
+              dot_rows(a0, lda0, kb);  // keeps the chunk's B tiles in 6 and 7 for rows 16-31
               if (two_m) {
                 _tile_loadd(5, a1 + kb * 32, lda1);
                 _tile_dpbf16ps(2, 5, 6);
