@@ -184,7 +184,8 @@ class TorchAttentionBackend:
 
     ops: the fused CPU kernels (kernels.cpu_ops); their paged decode kernel then replaces the
     gather + SDPA of paged_decode_attention, and in bf16 where AMX is available their prefill
-    kernel replaces the gather + SDPA of every sequence with more than one new token.
+    kernel replaces the gather + SDPA of every sequence with more than one new token, and their
+    write_kv the two index_copy_ of the new tokens' K and V.
     """
 
     name = "torch"
