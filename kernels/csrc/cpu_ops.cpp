@@ -1501,6 +1501,11 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
     at::parallel_for(0, n_chunks, 1, [&](int64_t begin, int64_t end) {
       amx_configure();
       alignas(64) float cbuf[4][16 * 16];
+      // Decode-sized rows: the weights stream into L2 one chunk ahead of use, 16 lines (one
+      // tile) per dot step in both passes, so memory stays busy while rows 16-31 run from cache.
+      const auto* w_bytes = reinterpret_cast<const char*>(wp);
+      const char* stream = w_bytes + std::min(2 * begin + 2, nt) * kt * 1024;
+      const char* const stream_end = w_bytes + std::min(2 * end, nt) * kt * 1024;
       for (int64_t chunk = begin; chunk < end; ++chunk) {
         const int64_t n0 = chunk * 2;
         const bool two = n0 + 1 < nt;
@@ -1534,15 +1539,17 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
         for (int64_t m0 = pass; m0 < pass_end; m0 += 32) {
           const bool two_m = m0 + 16 < pass_end;
           if (two_m && pass_end - pass <= 32) {
-            // Decode-sized (17-32 rows): the first 16 rows stream the chunk's weights from
-            // memory, the next 16 read them back from cache. Both row tiles in one loop ran
-            // 1.10-1.14x slower: their extra dot products held up the stream.
+            // Decode-sized (17-32 rows): the first 16 rows read the chunk's weights, the next 16
+            // read them back from cache. Both row tiles in one loop ran 1.10-1.14x slower: their
+            // extra dot products held up the stream. The stream above keeps pace across both
+            // passes (two tiles per step in the first, none in the second left memory idle).
             for (int64_t mi = 0; mi < 2; ++mi) {
               const auto [a, lda] = a_tile(m0 + 16 * mi);
               _tile_zero(0);
               _tile_zero(1);
               for (int64_t kb = 0; kb < kt; ++kb) {
-                if (mi == 0) prefetch_b(kb);
+                for (int line = 0; line < 16; ++line, stream += 64)
+                  if (stream < stream_end) _mm_prefetch(stream, _MM_HINT_T1);
                 dot_rows(a, lda, kb);
               }
               _tile_stored(0, cbuf[2 * mi], 64);
