@@ -613,11 +613,12 @@ void decode_seq_vec(
 //   softmax over tokens in float32, probabilities rounded to bf16 (as flash attention does);
 //   out [G, 16 dims] += P [G, 32 tokens] x V (a B tile: two tokens' values interleaved per
 //     dim, built from the cache rows with one permute per 16 dims; tokens past the end are 0).
-// Tile registers: 0 K / V tile, 1 q^T, 2 scores, 3 P, 4-7 output accumulators.
+// Tile registers: 0 K tile, 1 q^T, 2 scores. P x V runs in AVX-512 float32 FMAs (pv_f32):
+// VDPBF16PS retired at a quarter of the FMA rate here, so bf16 pairs lost to plain FMAs.
 struct DecodeAmxScratch {
   std::vector<float> scores;          // one head's scores, [len_pad]
   std::vector<float> inv_sum;         // [heads, G]
-  std::vector<c10::BFloat16> probs;   // [heads, G, len_pad]
+  std::vector<float> probs;           // [heads, G, len_pad], rounded to bf16 precision
   std::vector<c10::BFloat16> qt;      // [heads, D / 32, 16, G * 2]
   std::vector<float> st;              // scores as the tiles hold them: [heads, len_pad, G]
   std::vector<c10::BFloat16> vt;      // V in B-tile layout: [heads, chunk, D / 16, 16, 32]
@@ -633,40 +634,20 @@ inline void amx_configure_decode(int64_t group) {
   load_tile_config(cfg);
 }
 
-// out[g, d0:d0+64] for NG query heads of one KV head: P [NG, len] (bf16 pairs) x V, with
-// AVX512-BF16 dot products and the 4 x NG accumulators in registers. Per pair of tokens the
-// two value rows are interleaved (one permute per 16 dims) and each head's (p[2t], p[2t+1])
-// is broadcast. `rows_at(t0)` gives the 16 rows from token t0 (they lie in one block). V
-// streams from memory here, prefetched a tile ahead: fetched into L2 during the K pass instead,
-// it queued behind K for the core's few outstanding misses and the pass ran 1.05-1.17x slower
-// (bench/README.md, "Decode attention: V streams during P x V").
+// out[g, d0:d0+64] for NG query heads of one KV head: P [NG, len] x V in float32 FMAs, the
+// 4 x NG accumulators in registers. Each value row's 32-bit words hold dims (2j, 2j+1): a
+// shift and a mask widen them to float32 (even and odd dims in separate registers, put back in
+// order at the end). `rows_at(t0)` gives the 16 rows from token t0 (they lie in one block).
 template <int NG, typename O, typename RowsAt>
-inline void pv_bf16(
-    O* out, int64_t out_head_stride, const c10::BFloat16* probs, int64_t len_pad,
-    const float* inv_sum, RowsAt rows_at, int64_t len, int64_t token_stride) {
-  const __m512i lo_idx = interleave_lo16();
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-  __m512 acc[NG][4];
+__attribute__((noinline)) void pv_f32(
+    O* out, int64_t out_head_stride, const float* probs, int64_t len_pad, const float* inv_sum,
+    RowsAt rows_at, int64_t len, int64_t token_stride) {
+  __m512 acc[NG][4];  // [g]: even dims 0-30, odd dims 1-31, even 32-62, odd 33-63
+#pragma GCC unroll 4
   for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
-  const int32_t* pp[NG];  // (p[2t], p[2t+1]) pairs as 32-bit words
-  for (int g = 0; g < NG; ++g) pp[g] = reinterpret_cast<const int32_t*>(probs + g * len_pad);
-  auto step = [&](const c10::BFloat16* ra, const c10::BFloat16* rb, int64_t pair) {
-    const __m512i a0 = _mm512_loadu_si512(ra), a1 = _mm512_loadu_si512(ra + 32);
-    const __m512i b0 = rb ? _mm512_loadu_si512(rb) : _mm512_setzero_si512();
-    const __m512i b1 = rb ? _mm512_loadu_si512(rb + 32) : _mm512_setzero_si512();
-    const __m512bh v0 = (__m512bh)_mm512_permutex2var_epi16(a0, lo_idx, b0);
-    const __m512bh v1 = (__m512bh)_mm512_permutex2var_epi16(a0, hi_idx, b0);
-    const __m512bh v2 = (__m512bh)_mm512_permutex2var_epi16(a1, lo_idx, b1);
-    const __m512bh v3 = (__m512bh)_mm512_permutex2var_epi16(a1, hi_idx, b1);
-    for (int g = 0; g < NG; ++g) {
-      const __m512bh p = (__m512bh)_mm512_set1_epi32(pp[g][pair]);
-      acc[g][0] = _mm512_dpbf16_ps(acc[g][0], p, v0);
-      acc[g][1] = _mm512_dpbf16_ps(acc[g][1], p, v1);
-      acc[g][2] = _mm512_dpbf16_ps(acc[g][2], p, v2);
-      acc[g][3] = _mm512_dpbf16_ps(acc[g][3], p, v3);
-    }
-  };
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const c10::BFloat16* rows = rows_at(t0);
     if (t0 + 16 < len) {  // the next 16 rows' 64 dims (two lines each) on their way from memory
@@ -677,15 +658,33 @@ inline void pv_bf16(
       }
     }
     const int64_t n = std::min<int64_t>(16, len - t0);
-    int64_t i = 0;
-    for (; i + 2 <= n; i += 2)
-      step(rows + i * token_stride, rows + (i + 1) * token_stride, (t0 + i) / 2);
-    if (i < n) step(rows + i * token_stride, nullptr, (t0 + i) / 2);  // odd last token
+    for (int64_t i = 0; i < n; ++i) {
+      const c10::BFloat16* row = rows + i * token_stride;
+      const __m512i w0 = _mm512_loadu_si512(row), w1 = _mm512_loadu_si512(row + 32);
+      const __m512 v[4] = {
+          _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)),
+          _mm512_castsi512_ps(_mm512_and_si512(w0, odd_mask)),
+          _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)),
+          _mm512_castsi512_ps(_mm512_and_si512(w1, odd_mask))};
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g) {
+        const __m512 p = _mm512_set1_ps(probs[g * len_pad + t0 + i]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+      }
+    }
   }
+  // (even, odd) -> dims in order: lanes 0-15 of (e, o) interleaved, then lanes 16-31
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
   for (int g = 0; g < NG; ++g) {
     const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-    for (int c = 0; c < 4; ++c)
-      store16(out + g * out_head_stride + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+    O* o = out + g * out_head_stride;
+    for (int c = 0; c < 4; c += 2) {
+      store16(o + 16 * c, _mm512_mul_ps(_mm512_permutex2var_ps(acc[g][c], lo, acc[g][c + 1]), inv));
+      store16(o + 16 * c + 16,
+              _mm512_mul_ps(_mm512_permutex2var_ps(acc[g][c], hi, acc[g][c + 1]), inv));
+    }
   }
 }
 
@@ -734,7 +733,8 @@ void decode_heads_amx(
       _tile_stored(2, s.st.data() + (h * len_pad + t0) * group, group * 4);
     }
   }
-  // Softmax numerators in bf16, [head][G][len_pad], zero past the end; 1 / sum goes on the output.
+  // Softmax numerators rounded to bf16 (kept as float32), [head][G][len_pad], zero past the end;
+  // 1 / sum goes on the output.
   s.scores.resize(len_pad);
   s.probs.resize(nh * group * len_pad);
   std::vector<float>& inv_sum = s.inv_sum;
@@ -758,7 +758,7 @@ void decode_heads_amx(
       }
       const float max_score = _mm512_reduce_max_ps(vmax);
       const __m512 vm = _mm512_set1_ps(max_score);
-      c10::BFloat16* pg = s.probs.data() + (h * group + g) * len_pad;
+      float* pg = s.probs.data() + (h * group + g) * len_pad;
       int64_t t = 0;
       __m512 vsum = _mm512_setzero_ps();
       for (t = 0; t < len_pad; t += 16) {
@@ -767,7 +767,7 @@ void decode_heads_amx(
             live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + t), vm)));
         e = round_bf16(e);
         vsum = _mm512_add_ps(vsum, e);
-        store16(pg + t, e);
+        _mm512_storeu_ps(pg + t, e);
       }
       const float sum = _mm512_reduce_add_ps(vsum);
       inv_sum[h * group + g] = 1.0f / sum;
@@ -780,13 +780,13 @@ void decode_heads_amx(
         const int64_t ng = std::min<int64_t>(4, group - g0);
         auto rows = [&](int64_t t0) { return rows_at(v_cache, t0) + h * d + d0; };
         O* o = out + ((h0 + h) * group + g0) * out_head_stride + d0;
-        const c10::BFloat16* p = s.probs.data() + (h * group + g0) * len_pad;
+        const float* p = s.probs.data() + (h * group + g0) * len_pad;
         const float* inv = inv_sum.data() + h * group + g0;
         switch (ng) {
-          case 1: pv_bf16<1>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride); break;
-          case 2: pv_bf16<2>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride); break;
-          case 3: pv_bf16<3>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride); break;
-          default: pv_bf16<4>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride);
+          case 1: pv_f32<1>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride); break;
+          case 2: pv_f32<2>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride); break;
+          case 3: pv_f32<3>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride); break;
+          default: pv_f32<4>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride);
         }
       }
 }
