@@ -460,6 +460,29 @@ def test_amx_linear_matches_f_linear(ops, m, n, k):
     assert torch.equal(out_buf[:, n:], torch.full((m, 16), 7.0, dtype=torch.bfloat16))
 
 
+@needs_amx
+@pytest.mark.parametrize("m", [32, 100])  # the two-pass decode loop, then the 2 x 2 loop
+def test_amx_linear_is_the_same_on_any_number_of_threads(ops, m):
+    """Threads take ranges of output columns from a shared queue in shrinking pieces (and the
+    weight stream runs on into a thread's next range): every column is computed exactly once,
+    whichever thread got it."""
+    gen = torch.Generator().manual_seed(m)
+    n, k = 4112, 96  # 257 column tiles: 129 chunks, the last one a single tile
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    packed = ops.amx_pack_weight(w)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    outs = []
+    for threads in (1, 2, 3):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        with num_threads(threads):
+            ops.amx_linear(out, x, packed)
+        outs.append(out)
+    assert not outs[0].isnan().any(), "a column range was skipped"
+    assert_matches_linear(outs[0], F.linear(x, w))
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
 def test_amx_pack_weight_rejects_unaligned_shapes(ops):
     with pytest.raises(RuntimeError, match="N % 16"):
         ops.amx_pack_weight(torch.zeros(40, 64, dtype=torch.bfloat16))

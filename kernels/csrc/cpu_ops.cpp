@@ -204,6 +204,36 @@ inline int64_t row_grain(int64_t elements_per_row) {
   return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, elements_per_row));
 }
 
+// Hands out [0, n) to the threads of one parallel region first come, first served, in pieces
+// that shrink as the work runs out (guided scheduling). A static split makes every thread wait
+// at the join for one the OS has lent to another process (the server's event loop, a client);
+// here the other thread takes over the rest of its work.
+class WorkQueue {
+ public:
+  explicit WorkQueue(int64_t n) : n_(n), threads_(std::max(1, at::get_num_threads())) {}
+  // The next piece [begin, end); false when none is left.
+  bool take(int64_t& begin, int64_t& end) {
+    int64_t cur = next_.load(std::memory_order_relaxed);
+    do {
+      if (cur >= n_) return false;
+      const int64_t piece = std::max<int64_t>(1, (n_ - cur) / (2 * threads_));
+      end = std::min(n_, cur + piece);
+    } while (!next_.compare_exchange_weak(cur, end, std::memory_order_relaxed));
+    begin = cur;
+    return true;
+  }
+  // fn(queue) on every thread of one parallel region.
+  template <typename F>
+  void run(const F& fn) {
+    at::parallel_for(0, threads_, 1, [&](int64_t, int64_t) { fn(*this); });
+  }
+
+ private:
+  std::atomic<int64_t> next_{0};
+  const int64_t n_;
+  const int threads_;
+};
+
 // Bounds checks on the raw index arrays: a plain loop, no tensor reductions on the hot path.
 template <typename I>
 bool all_in_range(const I* v, int64_t n, int64_t lo, int64_t hi) {
@@ -839,16 +869,19 @@ void decode_batch(
       // Per sequence (all its KV heads) when the batch fills every thread, else per KV head.
       const bool per_seq = batch >= 2 * at::get_num_threads();
       const int64_t tasks = per_seq ? batch : batch * kv_heads;
-      at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      WorkQueue(tasks).run([&](WorkQueue& queue) {
         amx_configure_decode(group);
         DecodeAmxScratch scratch;
-        for (int64_t task = begin; task < end; ++task) {
-          const int64_t b = per_seq ? task : task / kv_heads;
-          const int64_t h0 = per_seq ? 0 : task % kv_heads, h1 = per_seq ? kv_heads : h0 + 1;
-          decode_heads_amx(
-              out + b * out_stride, out_head_stride, q + b * q_stride, q_head_stride, k_cache,
-              v_cache, block_table + b * bt_stride, lens[b], block_size, kv_heads, h0, h1, group,
-              d, scale, scratch);
+        int64_t begin, end;
+        while (queue.take(begin, end)) {
+          for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = per_seq ? task : task / kv_heads;
+            const int64_t h0 = per_seq ? 0 : task % kv_heads, h1 = per_seq ? kv_heads : h0 + 1;
+            decode_heads_amx(
+                out + b * out_stride, out_head_stride, q + b * q_stride, q_head_stride, k_cache,
+                v_cache, block_table + b * bt_stride, lens[b], block_size, kv_heads, h0, h1,
+                group, d, scale, scratch);
+          }
         }
         _tile_release();
       });
@@ -1234,9 +1267,7 @@ void paged_attention_prefill(
   // tasks: (sequence, query head, 16-query block)
   std::vector<int64_t> task_off(batch + 1, 0);
   for (int64_t b = 0; b < batch; ++b) task_off[b + 1] = task_off[b] + heads * ((ql[b] + 15) / 16);
-  at::parallel_for(0, task_off[batch], 1, [&](int64_t begin, int64_t end) {
-    amx_configure_square();
-    PrefillScratch scratch;
+  auto run_tasks = [&](int64_t begin, int64_t end, PrefillScratch& scratch) {
     int64_t b = std::upper_bound(task_off.begin(), task_off.end(), begin) - task_off.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= task_off[b + 1]) ++b;
@@ -1250,6 +1281,12 @@ void paged_attention_prefill(
           query.stride(0), nq, pos0, pos0 + nq, kp, vt + vt_off[b] + h * d * pad, pad,
           bt + b * bt_stride, block_size, token_stride, h, static_cast<float>(scale), scratch, nullptr);
     }
+  };
+  WorkQueue(task_off[batch]).run([&](WorkQueue& queue) {
+    amx_configure_square();
+    PrefillScratch scratch;
+    int64_t begin, end;
+    while (queue.take(begin, end)) run_tasks(begin, end, scratch);
     _tile_release();
   });
 #else
@@ -1325,51 +1362,57 @@ void paged_attention_cascade(
   float* os = os_buf.data();
   float* ls = ls_buf.data();
   // 1: V^T of the prefix per KV head, and every sequence's suffix (all heads per task).
-  at::parallel_for(0, kv_heads + batch, 1, [&](int64_t begin, int64_t end) {
+  WorkQueue(kv_heads + batch).run([&](WorkQueue& queue) {
     bool tiles = false;
     DecodeAmxScratch scratch;
-    for (int64_t task = begin; task < end; ++task) {
-      if (task < kv_heads) {
-        build_vt(vt + task * d * pad, vp, pb, prefix_len, block_size, token_stride, task, d);
-        continue;
+    int64_t begin, end;
+    while (queue.take(begin, end)) {
+      for (int64_t task = begin; task < end; ++task) {
+        if (task < kv_heads) {
+          build_vt(vt + task * d * pad, vp, pb, prefix_len, block_size, token_stride, task, d);
+          continue;
+        }
+        if (!tiles) amx_configure_decode(group), tiles = true;
+        const int64_t b = task - kv_heads;
+        decode_heads_amx(os + b * heads * d, d, qp + b * q_stride, qh, kp, vp,
+                         bt + b * block_table.stride(0), lens[b], block_size, kv_heads, 0, kv_heads,
+                         group, d, fscale, scratch, ls + b * heads);
       }
-      if (!tiles) amx_configure_decode(group), tiles = true;
-      const int64_t b = task - kv_heads;
-      decode_heads_amx(os + b * heads * d, d, qp + b * q_stride, qh, kp, vp,
-                       bt + b * block_table.stride(0), lens[b], block_size, kv_heads, 0, kv_heads,
-                       group, d, fscale, scratch, ls + b * heads);
     }
     if (tiles) _tile_release();
   });
   // 2: per (KV head, 16 of its B x G queries): the prefix, then the merge into out.
   const int64_t nqk = batch * group, chunks = (nqk + 15) / 16;
-  at::parallel_for(0, kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+  WorkQueue(kv_heads * chunks).run([&](WorkQueue& queue) {
     amx_configure_square();
     PrefillScratch scratch;
     alignas(64) c10::BFloat16 qbuf[16 * 128];
     alignas(64) float obuf[16 * 128];
     float lse[16];
     int64_t seq[16], head[16];  // query n of the task: (sequence, query head)
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / chunks, i0 = (task % chunks) * 16;
-      const int64_t nq = std::min<int64_t>(16, nqk - i0);
-      for (int64_t n = 0; n < nq; ++n) {
-        seq[n] = (i0 + n) / group, head[n] = h * group + (i0 + n) % group;
-        std::memcpy(qbuf + n * d, qp + seq[n] * q_stride + head[n] * qh, d * sizeof(c10::BFloat16));
-      }
-      auto run = d == 64 ? prefill_block_amx<64, float> : prefill_block_amx<128, float>;
-      run(obuf, d, qbuf, d, nq, prefix_len - 1, prefix_len, kp, vt + h * d * pad, pad, pb,
-          block_size, token_stride, h, fscale, scratch, lse);
-      for (int64_t n = 0; n < nq; ++n) {
-        const int64_t b = seq[n];
-        const float lp = lse[n], lsfx = ls[b * heads + head[n]], m = std::max(lp, lsfx);
-        const float wp = std::exp(lp - m), ws = std::exp(lsfx - m), inv = 1.0f / (wp + ws);
-        const __m512 vp_ = _mm512_set1_ps(wp * inv), vs_ = _mm512_set1_ps(ws * inv);
-        const float* sfx = os + (b * heads + head[n]) * d;
-        c10::BFloat16* dst = op + b * out.stride(0) + head[n] * out.stride(1);
-        for (int64_t i = 0; i < d; i += 16)
-          store16(dst + i, _mm512_fmadd_ps(_mm512_loadu_ps(obuf + n * d + i), vp_,
-                                           _mm512_mul_ps(_mm512_loadu_ps(sfx + i), vs_)));
+    int64_t begin, end;
+    while (queue.take(begin, end)) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t h = task / chunks, i0 = (task % chunks) * 16;
+        const int64_t nq = std::min<int64_t>(16, nqk - i0);
+        for (int64_t n = 0; n < nq; ++n) {
+          seq[n] = (i0 + n) / group, head[n] = h * group + (i0 + n) % group;
+          std::memcpy(qbuf + n * d, qp + seq[n] * q_stride + head[n] * qh, d * sizeof(c10::BFloat16));
+        }
+        auto run = d == 64 ? prefill_block_amx<64, float> : prefill_block_amx<128, float>;
+        run(obuf, d, qbuf, d, nq, prefix_len - 1, prefix_len, kp, vt + h * d * pad, pad, pb,
+            block_size, token_stride, h, fscale, scratch, lse);
+        for (int64_t n = 0; n < nq; ++n) {
+          const int64_t b = seq[n];
+          const float lp = lse[n], lsfx = ls[b * heads + head[n]], m = std::max(lp, lsfx);
+          const float wp = std::exp(lp - m), ws = std::exp(lsfx - m), inv = 1.0f / (wp + ws);
+          const __m512 vp_ = _mm512_set1_ps(wp * inv), vs_ = _mm512_set1_ps(ws * inv);
+          const float* sfx = os + (b * heads + head[n]) * d;
+          c10::BFloat16* dst = op + b * out.stride(0) + head[n] * out.stride(1);
+          for (int64_t i = 0; i < d; i += 16)
+            store16(dst + i, _mm512_fmadd_ps(_mm512_loadu_ps(obuf + n * d + i), vp_,
+                                             _mm512_mul_ps(_mm512_loadu_ps(sfx + i), vs_)));
+        }
       }
     }
     _tile_release();
@@ -1494,18 +1537,31 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
   const int64_t os = out.stride(0);
   const int64_t n_chunks = (nt + 1) / 2;  // 32 output columns (two B tiles) per chunk
   // Rows go in passes small enough for their slice of x to stay in L2 while every weight
-  // chunk streams past it; within a pass each thread owns a range of output columns.
+  // chunk streams past it; within a pass the threads take ranges of output columns in turn.
   const int64_t rows_per_pass = std::max<int64_t>(32, (256 * 1024 / (2 * k)) / 32 * 32);
   for (int64_t pass = 0; pass < m_pad; pass += rows_per_pass) {
     const int64_t pass_end = std::min(m_pad, pass + rows_per_pass);
-    at::parallel_for(0, n_chunks, 1, [&](int64_t begin, int64_t end) {
-      amx_configure();
-      alignas(64) float cbuf[4][16 * 16];
-      // Decode-sized rows: the weights stream into L2 one chunk ahead of use, 16 lines (one
-      // tile) per dot step in both passes, so memory stays busy while rows 16-31 run from cache.
-      const auto* w_bytes = reinterpret_cast<const char*>(wp);
-      const char* stream = w_bytes + std::min(2 * begin + 2, nt) * kt * 1024;
-      const char* const stream_end = w_bytes + std::min(2 * end, nt) * kt * 1024;
+    const auto* w_bytes = reinterpret_cast<const char*>(wp);
+    auto chunk_bytes = [&](int64_t chunk) {
+      return w_bytes + std::min(2 * chunk, nt) * kt * 1024;
+    };
+    // Decode-sized rows: the weights stream into L2 one chunk ahead of use, 16 lines (one tile)
+    // per dot step in both passes, so memory stays busy while rows 16-31 run from cache; at the
+    // end of a thread's range of chunks it runs on into the next range that thread has taken.
+    struct Stream {
+      const char *at = nullptr, *end = nullptr, *next = nullptr, *next_end = nullptr;
+      inline void advance() {
+        for (int line = 0; line < 16; ++line, at += 64) {
+          if (at >= end) {
+            if (next == nullptr) return;
+            at = next, end = next_end, next = nullptr;
+          }
+          _mm_prefetch(at, _MM_HINT_T1);
+        }
+      }
+    };
+    // Output columns [begin, end) in 32-column chunks, in this thread's tile configuration.
+    auto run_chunks = [&](int64_t begin, int64_t end, Stream& stream, float (*cbuf)[16 * 16]) {
       for (int64_t chunk = begin; chunk < end; ++chunk) {
         const int64_t n0 = chunk * 2;
         const bool two = n0 + 1 < nt;
@@ -1548,8 +1604,7 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
               _tile_zero(0);
               _tile_zero(1);
               for (int64_t kb = 0; kb < kt; ++kb) {
-                for (int line = 0; line < 16; ++line, stream += 64)
-                  if (stream < stream_end) _mm_prefetch(stream, _MM_HINT_T1);
+                stream.advance();
                 dot_rows(a, lda, kb);
               }
               _tile_stored(0, cbuf[2 * mi], 64);
@@ -1588,6 +1643,21 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
             }
           }
         }
+      }
+    };
+    WorkQueue(n_chunks).run([&](WorkQueue& queue) {
+      amx_configure();
+      alignas(64) float cbuf[4][16 * 16];
+      Stream stream;
+      int64_t begin, end;
+      bool have = queue.take(begin, end);
+      if (have) stream.at = chunk_bytes(std::min(begin + 1, end)), stream.end = chunk_bytes(end);
+      while (have) {  // the next range is taken first, so the weight stream can run on into it
+        int64_t next_begin, next_end;
+        const bool more = queue.take(next_begin, next_end);
+        if (more) stream.next = chunk_bytes(next_begin), stream.next_end = chunk_bytes(next_end);
+        run_chunks(begin, end, stream, cbuf);
+        begin = next_begin, end = next_end, have = more;
       }
       _tile_release();
     });
