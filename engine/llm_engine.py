@@ -73,9 +73,10 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Request:
         """Builds and validates a request; ValueError for anything that can never run."""
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of the vocabulary (size {self.vocab_size})")
+        vocab = self.vocab_size  # one config lookup, not one per prompt token
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of the vocabulary (size {vocab})")
         for token_id in params.logit_bias or {}:
             if not 0 <= int(token_id) < self.vocab_size:
                 raise SamplingParamsError(
