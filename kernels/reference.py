@@ -249,26 +249,34 @@ class TorchAttentionBackend:
                 query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale
             )
         out = query.new_empty(query.shape)
-        if self._cascade_applies(query, k_cache, shared_blocks):
-            prefix_len = shared_blocks * k_cache.shape[1]
-            self.ops.paged_attention_cascade(
-                out, query, k_cache, v_cache, block_table[0, :shared_blocks], prefix_len,
-                block_table[:, shared_blocks:], seq_lens - prefix_len, scale,
-            )
+        plan = self.cascade_plan(
+            query.shape[1], query.dtype, k_cache, block_table, seq_lens, shared_blocks
+        )
+        if plan is not None:
+            self.ops.paged_attention_cascade(out, query, k_cache, v_cache, *plan, scale)
             return out
         self.ops.paged_attention_decode(out, query, k_cache, v_cache, block_table, seq_lens, scale)
         return out
 
-    def _cascade_applies(self, query, k_cache, shared_blocks: int) -> bool:
-        """A shared prefix of CASCADE_MIN_TOKENS over CASCADE_MIN_SEQS sequences, bf16 on AMX
-        (below those the one-pass kernel was as fast or faster: bench/README.md)."""
-        if shared_blocks * k_cache.shape[1] < CASCADE_MIN_TOKENS:
-            return False
-        if query.shape[0] < CASCADE_MIN_SEQS or query.dtype != torch.bfloat16:
-            return False
+    def cascade_plan(self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int):
+        """(prefix block ids, prefix length, suffix block table, suffix lengths) when the cascade
+        kernel takes this decode batch, else None: a shared prefix of CASCADE_MIN_TOKENS over
+        CASCADE_MIN_SEQS sequences, bf16 on AMX (below those the one-pass kernel was as fast or
+        faster: bench/README.md)."""
+        block_size = k_cache.shape[1]
+        if self.ops is None or shared_blocks * block_size < CASCADE_MIN_TOKENS:
+            return None
+        if block_table.shape[0] < CASCADE_MIN_SEQS or dtype != torch.bfloat16:
+            return None
         if k_cache.dtype != torch.bfloat16:
-            return False
-        key = (query.shape[2], k_cache.shape[1], query.shape[1] // k_cache.shape[2])
+            return None
+        key = (k_cache.shape[3], block_size, num_heads // k_cache.shape[2])
         if key not in self._cascade_supported:
             self._cascade_supported[key] = bool(self.ops.cascade_supported(*key))
-        return self._cascade_supported[key]
+        if not self._cascade_supported[key]:
+            return None
+        prefix_len = shared_blocks * block_size
+        return (
+            block_table[0, :shared_blocks], prefix_len, block_table[:, shared_blocks:],
+            seq_lens - prefix_len,
+        )

@@ -604,8 +604,9 @@ class PagedRun:
         self.computed = [0] * num_seqs
 
     @torch.inference_mode()
-    def step(self, new_tokens: list[list[int]]) -> torch.Tensor:
-        """Appends new_tokens[i] to sequence i (none: not scheduled); logits of each last token."""
+    def step(self, new_tokens: list[list[int]], shared_blocks: int = 0) -> torch.Tensor:
+        """Appends new_tokens[i] to sequence i (none: not scheduled); logits of each last token.
+        shared_blocks: leading block-table entries every decoding row has in common."""
         bs, ids, positions, slots, starts = self.block_size, [], [], [], [0]
         batch = [i for i, toks in enumerate(new_tokens) if toks]
         for i in batch:
@@ -627,6 +628,7 @@ class PagedRun:
             seq_lens_cpu=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            decode_shared_blocks=shared_blocks,
         )
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv)
         return self.model.compute_logits(hidden[[s - 1 for s in starts[1:]]])
@@ -970,10 +972,12 @@ def test_llm_shared_prefix_decodes_take_the_cascade_and_keep_greedy_tokens(
     from conftest import make_prompts
 
     import engine.model_runner as model_runner
+    import engine.models.llama as llama
     import kernels.cpu_ops as cpu_ops
     import kernels.reference as reference
     from engine import LLM, SamplingParams
 
+    monkeypatch.setattr(llama, "FUSED_DECODE_MAX_ROWS", 0)  # layer by layer: the spy sees it
     prefix = make_prompts(1, seed=11, min_len=160, max_len=160)[0]
     prompts = [prefix + tail for tail in make_prompts(10, seed=12, max_len=20)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -998,6 +1002,88 @@ def test_llm_shared_prefix_decodes_take_the_cascade_and_keep_greedy_tokens(
     same = sum(a == b for a, b in zip(outs["on"], outs["off"]))
     assert same >= len(prompts) - 1, (outs["on"], outs["off"])
     assert all(a[:4] == b[:4] for a, b in zip(outs["on"], outs["off"]))
+
+
+# ---- a decode step through every layer in one call ----------------------------------------------
+@needs_amx
+@pytest.mark.parametrize("shared", [False, True], ids=["decode", "cascade"])
+def test_fused_decode_step_is_bit_identical_to_the_layer_by_layer_path(
+    ops, kernel_model_dir, monkeypatch, shared
+):
+    """ops.decode_layers calls the kernels the modules call, in the same order: same logits and
+    same K/V caches to the bit, with the decode kernel and with the cascade over a shared prefix
+    (10 sequences whose first 9 blocks are the same 144 tokens)."""
+    model = _load(kernel_model_dir, torch.bfloat16, ops, monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # norm weights load as ones: make each layer's two norms differ
+        for m in model.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=gen) + 0.5)
+    assert model._fused_decode_weights() is not None, "the fused path does not apply"
+    tokens = lambda n: torch.randint(3, 259, (n,), generator=gen).tolist()
+    num_seqs, prefix_blocks = 10, 9
+    prefix = tokens(prefix_blocks * 16) if shared else []
+    steps = [[prefix + tokens(5 + 3 * i) for i in range(num_seqs)]]
+    steps += [[tokens(1) for _ in range(num_seqs)] for _ in range(3)]
+    runs = [PagedRun(model, 16, num_seqs, 256, seed=6) for _ in range(2)]
+    if shared:
+        for run in runs:
+            run.table[:, :prefix_blocks] = run.table[0, :prefix_blocks]
+    shared_blocks = prefix_blocks if shared else 0
+    plans = []
+    backend = model.model.layers[0].self_attn.backend
+    real_plan = backend.cascade_plan
+
+    def plan_spy(*args):
+        plan = real_plan(*args)
+        plans.append(plan is not None)
+        return plan
+
+    monkeypatch.setattr(backend, "cascade_plan", plan_spy)
+    with num_threads(THREADS):
+        for i, step in enumerate(steps):
+            outs = []
+            for run, fused in zip(runs, (True, False)):
+                model._fused_weights = None if fused else []  # [] turns the fused path off
+                outs.append(run.step(step, shared_blocks if i else 0))
+            assert torch.equal(outs[0], outs[1]), f"step {i}: logits differ"
+            for (k0, v0), (k1, v1) in zip(runs[0].kv, runs[1].kv):
+                assert torch.equal(k0, k1) and torch.equal(v0, v1), f"step {i}: caches differ"
+    model._fused_weights = None
+    assert plans and all(p == shared for p in plans), "cascade taken where it should not be"
+
+
+@needs_amx
+def test_llm_decode_steps_run_fused_with_the_tokens_of_the_layer_by_layer_path(
+    kernel_model_dir, ops, monkeypatch
+):
+    """In the engine, decode-only steps go through ops.decode_layers (prefill and mixed steps
+    layer by layer), and greedy tokens are those of the layer-by-layer path exactly."""
+    from conftest import make_prompts
+
+    import engine.model_runner as model_runner
+    import engine.models.llama as llama
+    from engine import LLM, SamplingParams
+
+    prefix = make_prompts(1, seed=21, min_len=160, max_len=160)[0]
+    prompts = [prefix + tail for tail in make_prompts(9, seed=22, max_len=20)]
+    prompts += make_prompts(4, seed=23, max_len=40)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    calls = []
+    monkeypatch.setattr(model_runner, "load_cpu_ops", lambda: _spy(ops, calls))
+    outs = {}
+    for name, max_rows in (("fused", llama.FUSED_DECODE_MAX_ROWS), ("layers", 0)):
+        monkeypatch.setattr(llama, "FUSED_DECODE_MAX_ROWS", max_rows)
+        calls.clear()
+        with num_threads(THREADS):
+            llm = LLM(str(kernel_model_dir), dtype="bfloat16")
+            llm.generate([prefix + [7]], params, use_tqdm=False)
+            res = llm.generate(prompts, params, use_tqdm=False)
+        outs[name] = [o.outputs[0].token_ids for o in res]
+        outs[name + "_calls"] = calls.count("decode_layers")
+    assert outs["fused_calls"] > 0 and outs["layers_calls"] == 0
+    assert all(len(t) == 10 for t in outs["fused"])
+    assert outs["fused"] == outs["layers"]
 
 
 # ---- argmax (greedy sampling) -------------------------------------------------------------------

@@ -15,6 +15,10 @@ from kernels import AttentionBackend, AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
+# Decode steps up to this many sequences run every layer in one kernel call (ops.decode_layers);
+# the AMX linears take every decode-sized call up to here (kernels/cpu_linear.py AMX_MAX_ROWS).
+FUSED_DECODE_MAX_ROWS = 32
+
 
 class RMSNorm(nn.Module):
     """norm(x), or with a residual: residual = x + residual, then norm(residual).
@@ -194,6 +198,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             head_dim, getattr(cfg, "rope_theta", None) or _rope_theta(cfg)
         )
+        self._fused_weights: list[torch.Tensor] | None = None  # see _fused_decode_weights
 
     def forward(
         self,
@@ -204,13 +209,43 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # hidden states [T, hidden]
         x = self.model.embed_tokens(input_ids)
         if self.ops is not None:
-            rope = (positions, self.rotary.cos_sin_cache(meta.max_seq_len, x.dtype))
+            cos_sin = self.rotary.cos_sin_cache(meta.max_seq_len, x.dtype)
+            if meta.is_decode_only and x.shape[0] <= FUSED_DECODE_MAX_ROWS:
+                weights = self._fused_decode_weights()
+                if weights is not None:
+                    return self._fused_decode(x, positions, cos_sin, meta, kv_caches, weights)
+            rope = (positions, cos_sin)
         else:
             rope = self.rotary(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, rope, meta, kv_cache)
         return self.model.norm(x, residual)[0]
+
+    def _fused_decode_weights(self) -> list[torch.Tensor] | None:
+        """Six tensors per layer for ops.decode_layers, or None where it does not apply: every
+        projection an AMX-packed PackedLinear without bias, bf16, the kernels' attention backend."""
+        if self._fused_weights is None:
+            self._fused_weights = _collect_fused_decode_weights(self) or []
+        return self._fused_weights or None
+
+    def _fused_decode(self, x, positions, cos_sin, meta: AttentionMetadata, kv_caches, weights):
+        """A decode step through every layer in one call of ops.decode_layers (the kernels the
+        modules call, in the same order: the same bits, without the Python between them)."""
+        attn = self.model.layers[0].self_attn
+        plan = attn.backend.cascade_plan(
+            attn.num_heads, x.dtype, kv_caches[0][0], meta.block_table, meta.seq_lens,
+            meta.decode_shared_blocks,
+        )
+        none = x.new_empty(0, dtype=torch.int32)
+        prefix_blocks, prefix_len, suffix_table, suffix_lens = plan or (none, 0, none, none)
+        norm = self.model.norm
+        return self.ops.decode_layers(
+            x, positions, cos_sin, weights, [c for kv in kv_caches for c in kv], norm.weight,
+            meta.slot_mapping, meta.block_table, meta.seq_lens, prefix_len, prefix_blocks,
+            suffix_table, suffix_lens, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            norm.eps, attn.scale,
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         return self.lm_head(hidden).float()
@@ -234,6 +269,30 @@ class LlamaForCausalLM(nn.Module):
         result = self.load_state_dict(state, strict=False)
         missing += [m for m in result.missing_keys if not m.startswith("rotary.")]
         return missing, list(result.unexpected_keys)
+
+
+def _collect_fused_decode_weights(model: LlamaForCausalLM) -> list[torch.Tensor] | None:
+    from kernels.cpu_linear import PackedLinear
+
+    ops = model.ops
+    if ops is None or not hasattr(ops, "decode_layers"):
+        return None
+    if model.model.embed_tokens.weight.dtype != torch.bfloat16:
+        return None
+    weights: list[torch.Tensor] = []
+    eps = {model.model.norm.eps}
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(m, PackedLinear) and m.ops is not None for m in linears):
+            return None  # some projection is not AMX-packed (bias, shape, no AMX)
+        if getattr(attn.backend, "ops", None) is None or not hasattr(attn.backend, "cascade_plan"):
+            return None
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        eps.update(n.eps for n in norms)
+        weights += [norms[0].weight, linears[0].amx, linears[1].amx]
+        weights += [norms[1].weight, linears[2].amx, linears[3].amx]
+    return weights if len(eps) == 1 else None
 
 
 def _fused_params(num_layers: int, state: dict[str, torch.Tensor]):
