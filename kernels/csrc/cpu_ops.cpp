@@ -651,8 +651,6 @@ struct DecodeAmxScratch {
   std::vector<float> probs;           // [heads, G, len_pad], rounded to bf16 precision
   std::vector<c10::BFloat16> qt;      // [heads, D / 32, 16, G * 2]
   std::vector<float> st;              // scores as the tiles hold them: [heads, len_pad, G]
-  std::vector<c10::BFloat16> vt;      // V in B-tile layout: [heads, chunk, D / 16, 16, 32]
-  alignas(64) float obuf[4][16 * 16];
 };
 
 inline void amx_configure_decode(int64_t group) {
@@ -660,7 +658,6 @@ inline void amx_configure_decode(int64_t group) {
   cfg.rows[0] = 16, cfg.colsb[0] = 64;
   cfg.rows[1] = 16, cfg.colsb[1] = static_cast<uint16_t>(4 * group);
   cfg.rows[2] = 16, cfg.colsb[2] = static_cast<uint16_t>(4 * group);
-  for (int t = 3; t < 8; ++t) cfg.rows[t] = static_cast<uint8_t>(group), cfg.colsb[t] = 64;
   load_tile_config(cfg);
 }
 
