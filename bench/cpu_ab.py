@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kernels.cpu_linear as cpu_linear  # noqa: E402
-import kernels.reference as reference  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+import kernels.cpu_linear as cpu_linear
+import kernels.reference as reference
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 
 FEATURES = {  # feature -> (module, knob, value off); on is the module's own value
     "cascade": (reference, "CASCADE_MIN_TOKENS", 10**9),
