@@ -8,33 +8,34 @@ from engine.model_runner import BlockTables
 from engine.scheduler import SchedulerOutput
 
 
-def _out(reqs, block_lists) -> SchedulerOutput:
+def _out(reqs, new_block_ids, resets=None) -> SchedulerOutput:
     return SchedulerOutput(
         requests=reqs,
         num_scheduled_tokens=[1] * len(reqs),
         num_computed_tokens=[0] * len(reqs),
-        block_ids=block_lists,
+        new_block_ids=[tuple(ids) for ids in new_block_ids],
+        block_table_reset=resets or [True] * len(reqs),
     )
 
 
 def test_rows_grow_incrementally_and_follow_batch_order():
     tables = BlockTables(max_blocks_per_seq=8, num_rows=2)
     a, b = make_request("a", 4), make_request("b", 4)
-    a_ids, b_ids = [3], [5, 6]
-    rows = tables.update(_out([a, b], [a_ids, b_ids]))
-    a_ids.append(9)  # the scheduler's list only grows
-    rows2 = tables.update(_out([b, a], [b_ids, a_ids]))
+    rows = tables.update(_out([a, b], [[3], [5, 6]]))
+    rows2 = tables.update(_out([b, a], [[], [9]], [False, False]))  # a got block 9 this step
     assert rows2.tolist() == [rows[1], rows[0]]
     assert tables.table[rows[0], :2].tolist() == [3, 9]
     assert tables.table[rows[1], :2].tolist() == [5, 6]
 
 
-def test_new_list_after_preemption_rewrites_the_row():
+def test_reset_after_preemption_rewrites_the_row():
     tables = BlockTables(max_blocks_per_seq=4, num_rows=1)
     a = make_request("a", 4)
     row = tables.update(_out([a], [[1, 2, 3]]))[0]
     assert tables.update(_out([a], [[7]]))[0] == row  # same request keeps its row
     assert tables.table[row, 0] == 7
+    tables.update(_out([a], [[8]], [False]))
+    assert tables.table[row, :2].tolist() == [7, 8]  # appended after the rewritten start
 
 
 def test_released_rows_are_reused_and_table_grows_when_full():

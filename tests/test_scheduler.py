@@ -247,14 +247,17 @@ def test_abort_between_schedule_and_update_drops_the_token():
 
 # ---- admission control -----------------------------------------------------------------------
 def test_never_fitting_request_is_rejected():
+    # check_fits is the one admission check (LLMEngine.make_request calls it before add_request).
     s = make_scheduler(num_blocks=4, block_size=4, max_model_len=256)
     with pytest.raises(ValueError, match="can never run"):
-        s.add_request(make_request("huge", 20, max_tokens=10))
+        s.check_fits(make_request("huge", 20, max_tokens=10))
     with pytest.raises(ValueError, match="can never run"):  # may grow to max_model_len
-        s.add_request(make_request("open", 5, max_tokens=None))
+        s.check_fits(make_request("open", 5, max_tokens=None))
     with pytest.raises(ValueError, match="maximum context length is 256"):
-        s.add_request(make_request("long", 250, max_tokens=10))
-    s.add_request(make_request("fits", 10, max_tokens=7))  # 16 KV tokens: exactly the pool
+        s.check_fits(make_request("long", 250, max_tokens=10))
+    fits = make_request("fits", 10, max_tokens=7)  # 16 KV tokens: exactly the pool
+    s.check_fits(fits)
+    s.add_request(fits)
     assert len(s.waiting) == 1
     run_until_done(s)
     assert_scheduler_drained(s)
@@ -262,8 +265,9 @@ def test_never_fitting_request_is_rejected():
 
 def test_prompt_over_max_model_len_is_rejected_without_max_tokens():
     s = make_scheduler(max_model_len=16)
-    with pytest.raises(ValueError, match="your request has 17 input tokens"):
-        s.add_request(make_request("x", 17, max_tokens=None))
+    with pytest.raises(ValueError, match="your request has 17 input tokens") as e:
+        s.check_fits(make_request("x", 17, max_tokens=None))
+    assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
 
 
 # ---- stop conditions -------------------------------------------------------------------------

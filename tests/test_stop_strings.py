@@ -96,7 +96,7 @@ def _run_state(stop: list[str], include: bool = False, ids=(1, 2, 3, 4, 5)):
     state = RequestState(WordTokenizer(PIECES), req)
     deltas = []
     for i, token_id in enumerate(ids):
-        req.append_output_token(token_id)
+        req.all_token_ids.append(token_id)
         if i == len(ids) - 1:
             req.status = RequestStatus.FINISHED_LENGTH
         delta, stop_str = state.process_tokens(req, [token_id])
