@@ -79,3 +79,65 @@ def test_shared_prefix_stops_before_each_rows_newest_token():
     assert _shared(rows, [1, 1], [33, 60]) == 2
     assert _shared(rows, [1, 1], [32, 60]) == 1
     assert _shared(rows, [1, 1], [1, 60]) == 0
+
+
+# ---- driven by the real scheduler: deltas only, rows rewritten after preemption ----------------
+def test_block_tables_follow_the_scheduler_through_preemption_and_readmission():
+    from conftest import make_scheduler
+
+    from engine.outputs import ModelRunnerOutput
+
+    s = make_scheduler(num_blocks=9, block_size=4, enable_prefix_caching=False)
+    for i, rid in enumerate("abc"):
+        s.add_request(make_request(rid, 8, max_tokens=12, start=50 * i))
+    tables = BlockTables(max_blocks_per_seq=8, num_rows=4)
+    num_readmitted = 0
+    for _ in range(300):
+        if not s.has_unfinished_requests():
+            break
+        out = s.schedule()
+        for rid in out.finished_req_ids:  # what ModelRunner.execute does first
+            tables.release(rid)
+        rows = tables.update(out)
+        for req, row, reset in zip(out.requests, rows, out.block_table_reset):
+            ids = s.kv_cache_manager.get_block_ids(req.request_id)
+            assert tables.table[row, : len(ids)].tolist() == ids, req.request_id
+            assert tables.num_filled[req.request_id] == len(ids)  # nothing stale past the end
+            num_readmitted += reset and req.num_preemptions > 0
+        sampled = [
+            7 if c + n == r.num_tokens else None
+            for r, n, c in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)
+        ]
+        s.update_from_output(out, ModelRunnerOutput(sampled))
+    assert num_readmitted > 0 and not s.has_unfinished_requests()
+    for rid in s.schedule().finished_req_ids:
+        tables.release(rid)
+    assert not tables.row_of and len(tables.free_rows) == tables.table.shape[0]
+
+
+# ---- the engine: finished_req_ids, not the output path, release runner state -----------------
+def test_runner_state_is_released_from_the_schedulers_finished_ids(tiny_model_dir):
+    from conftest import run_engine
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=4))
+    released = []
+    sampler_release = engine.runner.sampler.release
+    engine.runner.sampler.release = lambda rid: (released.append(rid), sampler_release(rid))
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    run_engine(
+        engine,
+        {
+            "short": ([5, 6, 7], SamplingParams(max_tokens=2, **greedy)),
+            "long": ([8, 9], SamplingParams(max_tokens=5, **greedy)),
+        },
+    )
+    # "short" finished first and was released on the next step; "long" finished on the last
+    # step, so it keeps its row until a step hands its id to the runner.
+    assert released == ["short"]
+    assert list(engine.runner.block_tables.row_of) == ["long"]
+    engine.step()  # an idle step still carries finished_req_ids to the runner
+    assert released == ["short", "long"] and not engine.runner.block_tables.row_of
