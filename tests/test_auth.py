@@ -34,6 +34,7 @@ PROTECTED = [
     ("GET", "/v1/models?api_key=" + KEY),
     ("GET", "/v1/models#"),
     ("GET", "/health/"),
+    ("GET", "/ping/"),
     ("GET", "/HEALTH"),
     ("GET", "/metrics/"),
     ("GET", "/nope"),
