@@ -34,7 +34,7 @@ def _requests(n: int, vocab: int, params: dict) -> list[Request]:
         prompt = [rng.randrange(vocab) for _ in range(512)]
         req = Request(f"r{i}", prompt, SamplingParams(max_tokens=1024, **params))
         for _ in range(128):
-            req.append_output_token(rng.randrange(vocab))
+            req.all_token_ids.append(rng.randrange(vocab))
         reqs.append(req)
     return reqs
 
