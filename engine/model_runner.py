@@ -9,18 +9,19 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs
+from engine.fused_decode import FusedDecode
 from engine.kv_cache_manager import cdiv
+from engine.layers import select_impls
 from engine.logprobs import compute_prompt_logprobs
-from engine.models import SUPPORTED_ARCHITECTURES
-from engine.models.llama import LlamaForCausalLM
+from engine.models import get_model_class
 from engine.outputs import ModelRunnerOutput
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from kernels import AttentionMetadata, get_attention_backend
-from kernels.cpu_linear import can_pack, pack_linears
 from kernels.cpu_ops import load_cpu_ops
 
 logger = logging.getLogger(__name__)
@@ -46,13 +47,10 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return _DTYPES.get(stored, torch.bfloat16) if stored != "float32" else torch.bfloat16
 
 
-def load_model(model_dir: Path, hf_config, backend, dtype, device) -> LlamaForCausalLM:
-    """Weights in; on CPU the fused kernels (when they build) and packed bf16 linears."""
-    archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
-    if archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"architecture {archs[0]} is not supported ({SUPPORTED_ARCHITECTURES})")
-    ops = load_cpu_ops() if device.type == "cpu" else None
-    model = LlamaForCausalLM(hf_config, backend, ops)
+def load_model(model_dir: Path, hf_config, backend, dtype, device) -> nn.Module:
+    """Weights in, then every layer picks its implementation once: on CPU the C++ kernels (when
+    they build) and packed bf16 linears, elsewhere the torch oracles."""
+    model = get_model_class(hf_config)(hf_config, backend)
     state: dict[str, torch.Tensor] = {}
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -65,8 +63,7 @@ def load_model(model_dir: Path, hf_config, backend, dtype, device) -> LlamaForCa
             f"weights do not match the model: missing={missing} unexpected={unexpected}"
         )
     model = model.to(device=device, dtype=dtype).eval()
-    if can_pack(device, dtype):
-        pack_linears(model, ops)
+    select_impls(model, load_cpu_ops() if device.type == "cpu" else None)
     return model
 
 
@@ -89,9 +86,10 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.num_blocks = self._measure_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, load_cpu_ops() if self.device.type == "cpu" else None)
         self._allocate_input_buffers()
         self.decode_graphs = DecodeCudaGraphs.build(self)  # None: eager (CPU, --enforce-eager)
+        self.fused_decode = FusedDecode.build(self.model, self.backend)  # None: layer by layer
 
     def _allocate_input_buffers(self) -> None:
         """Host buffers reused every step, sized for the largest possible batch."""
@@ -190,8 +188,11 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids=[])
         input_ids, positions, meta, logits_rows, sample_idx = self.prepare_inputs(out)
         graphs = self.decode_graphs
+        fused = self.fused_decode
         if graphs is not None and graphs.can_run(meta):
             hidden = graphs.run(input_ids, positions, meta)
+        elif fused is not None and fused.can_run(meta):
+            hidden = fused.run(input_ids, positions, meta, self.kv_caches)
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         sampled: list[int | None] = [None] * len(out.requests)
