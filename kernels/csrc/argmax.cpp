@@ -60,7 +60,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t n = x.size(1), stride = x.stride(0);
-  at::parallel_for(0, x.size(0), std::max<int64_t>(1, (int64_t{1} << 16) / n), [&](int64_t b, int64_t e) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / n);
+  at::parallel_for(0, x.size(0), grain, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) op[r] = argmax_row(xp + r * stride, n);
   });
   return out;

@@ -227,6 +227,13 @@ void decode_seq_vec(
 //     (bench/README.md, "Decode attention: P x V in float32 FMAs").
 // Tile registers (amx_configure_decode): 0 K tile, 1 q^T, 2 scores.
 
+// out[g, d0:d0+64] for NG query heads of one KV head: P [NG, len] x V in float32 FMAs, the
+// 4 x NG accumulators in registers. Each value row's 32-bit words hold dims (2j, 2j+1): a
+// shift and a mask widen them to float32 (even and odd dims in separate registers, put back in
+// order at the end). `rows_at(t0)` gives the 16 rows from token t0 (they lie in one block).
+// V streams from memory here, prefetched a tile ahead; pulled into L2 during the K pass
+// instead, it queued behind K (bench/README.md, "Decode attention: V streams during P x V").
+// Out of line, so the accumulators get registers of their own.
 template <int NG, typename O, typename RowsAt>
 __attribute__((noinline)) void pv_f32(
     O* out, int64_t out_head_stride, const float* probs, int64_t len_pad, const float* inv_sum,

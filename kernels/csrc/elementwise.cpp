@@ -52,7 +52,8 @@ void add_rms_norm_row(T* x, T* residual, const T* w, int64_t n, float eps) {
   int64_t i = 0;
 #ifdef PAGEDSERVE_AVX512
   if constexpr (kVec<T>)
-    for (; i + 16 <= n; i += 16) store16(residual + i, _mm512_add_ps(load16(x + i), load16(residual + i)));
+    for (; i + 16 <= n; i += 16)
+      store16(residual + i, _mm512_add_ps(load16(x + i), load16(residual + i)));
 #endif
   for (; i < n; ++i) residual[i] = from_f<T>(to_f(x[i]) + to_f(residual[i]));
   rms_norm_row(x, residual, w, n, eps);
@@ -181,14 +182,16 @@ void rotary_embedding(
       });
 }
 
-// k_cache / v_cache [blocks, block_size, kv_heads, D] at flat slot s <- key / value [T, kv_heads, D]
-// row t: what index_copy_ on the caches' [slots, kv_heads, D] view does, without its per-call
-// setup, which outweighs the copy at decode sizes (bench/README.md, "Small ops at decode size").
+// k_cache / v_cache [blocks, block_size, kv_heads, D] at flat slot s <- key / value
+// [T, kv_heads, D] row t: what index_copy_ on the caches' [slots, kv_heads, D] view does,
+// without its per-call setup, which outweighs the copy at decode sizes (bench/README.md,
+// "Small ops at decode size").
 void write_kv(
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key, value: [T, kv_heads, D]");
-  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2), "key: heads contiguous per token");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2),
+              "key: heads contiguous per token");
   TORCH_CHECK(value.stride(2) == 1 && value.stride(1) == value.size(2), "value: heads contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(), "caches");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must match");
@@ -208,7 +211,8 @@ void write_kv(
   const char* vp = static_cast<const char*>(value.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
-  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  const int64_t ks = key.stride(0) * key.element_size();
+  const int64_t vs = value.stride(0) * value.element_size();
   at::parallel_for(0, tokens, row_grain(2 * row), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);

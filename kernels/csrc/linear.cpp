@@ -211,7 +211,9 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
   c.os = out.stride(0);
   const int64_t n_chunks = (c.nt + 1) / 2;  // 32 output columns (two B tiles) per chunk
   const auto* w_bytes = reinterpret_cast<const char*>(c.wp);
-  auto chunk_bytes = [&](int64_t chunk) { return w_bytes + std::min(2 * chunk, c.nt) * c.kt * 1024; };
+  auto chunk_bytes = [&](int64_t chunk) {
+    return w_bytes + std::min(2 * chunk, c.nt) * c.kt * 1024;
+  };
   // Rows go in passes small enough for their slice of x to stay in L2 while every weight
   // chunk streams past it; within a pass the threads take ranges of output columns in turn.
   const int64_t rows_per_pass = std::max<int64_t>(32, (256 * 1024 / (2 * k)) / 32 * 32);

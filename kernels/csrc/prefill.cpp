@@ -364,7 +364,8 @@ void paged_attention_prefill(
   const int64_t bt_stride = block_table.stride(0);
   // V^T per (sequence, KV head): [D, len padded to 32], zero past the end.
   std::vector<int64_t> vt_off(batch + 1, 0);
-  for (int64_t b = 0; b < batch; ++b) vt_off[b + 1] = vt_off[b] + kv_heads * d * ((lens[b] + 31) / 32 * 32);
+  for (int64_t b = 0; b < batch; ++b)
+    vt_off[b + 1] = vt_off[b] + kv_heads * d * ((lens[b] + 31) / 32 * 32);
   // Reused across calls: a fresh multi-MB allocation per layer costs its page faults each time.
   static thread_local std::vector<c10::BFloat16> vt_buf;
   if (static_cast<int64_t>(vt_buf.size()) < vt_off[batch]) vt_buf.resize(vt_off[batch]);
@@ -387,11 +388,13 @@ void paged_attention_prefill(
       const int64_t local = task - task_off[b], head = local / qblocks, j0 = (local % qblocks) * 16;
       const int64_t nq = std::min<int64_t>(16, q_len - j0), h = head / group;
       const int64_t pad = (len + 31) / 32 * 32, row0 = qs[b] + j0;
-      auto run = d == 64 ? prefill_block_amx<64, c10::BFloat16> : prefill_block_amx<128, c10::BFloat16>;
+      auto run =
+          d == 64 ? prefill_block_amx<64, c10::BFloat16> : prefill_block_amx<128, c10::BFloat16>;
       const int64_t pos0 = len - q_len + j0;
-      run(op + row0 * out.stride(0) + head * d, out.stride(0), qp + row0 * query.stride(0) + head * d,
-          query.stride(0), nq, pos0, pos0 + nq, kp, vt + vt_off[b] + h * d * pad, pad,
-          bt + b * bt_stride, block_size, token_stride, h, static_cast<float>(scale), scratch, nullptr);
+      run(op + row0 * out.stride(0) + head * d, out.stride(0),
+          qp + row0 * query.stride(0) + head * d, query.stride(0), nq, pos0, pos0 + nq, kp,
+          vt + vt_off[b] + h * d * pad, pad, bt + b * bt_stride, block_size, token_stride, h,
+          static_cast<float>(scale), scratch, nullptr);
     }
   };
   WorkQueue(task_off[batch]).run([&](WorkQueue& queue) {
