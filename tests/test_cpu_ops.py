@@ -1,4 +1,4 @@
-"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp) against the torch ops they replace.
+"""The fused CPU kernels (kernels/csrc/) against the torch ops they replace, and their build.
 
 Each op is compared with its oracle: RMSNorm._norm, apply_rope, F.silu, the paged attention
 references in kernels/reference.py and F.linear. Outputs are pre-filled with NaN so an element a
@@ -15,7 +15,11 @@ test that uses them, unless PAGEDSERVE_CPU_KERNELS=0 turns them off (then they a
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import fnmatch
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,7 +36,7 @@ from kernels.cpu_linear import (
     can_pack,
     pack_linears,
 )
-from kernels.cpu_ops import cpu_kernels_enabled, load_cpu_ops
+from kernels.cpu_ops import CSRC, build_key, cpu_kernels_enabled, load_cpu_ops, sources
 from kernels.reference import (
     TorchAttentionBackend,
     gather_kv,
@@ -53,7 +57,7 @@ def ops():
         pytest.skip("PAGEDSERVE_CPU_KERNELS=0: the CPU kernels are turned off")
     loaded = load_cpu_ops()
     assert loaded is not None, (
-        "kernels/csrc/cpu_ops.cpp did not build (see the warning load_cpu_ops logged); "
+        "the kernels in kernels/csrc/ did not build (see the warning load_cpu_ops logged); "
         "set PAGEDSERVE_CPU_KERNELS=0 only on a machine without a C++ compiler"
     )
     return loaded
@@ -1115,3 +1119,52 @@ def test_argmax_rows_matches_torch_argmax(ops, vocab):
     got = ops.argmax_rows(x)
     assert got.dtype == torch.int64
     assert torch.equal(got, x.argmax(dim=-1))
+
+
+def test_build_key_changes_with_every_source_and_header(tmp_path):
+    """Editing any one .cpp or .h of kernels/csrc/ moves the build to a new directory (a rebuild),
+    and so does adding a file; a copy of the folder hashes like the folder."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(CSRC, csrc)
+    files = sorted([*csrc.glob("*.cpp"), *csrc.glob("*.h")])
+    assert {path.suffix for path in files} == {".cpp", ".h"}
+    base = build_key(csrc)
+    assert base == build_key(CSRC)
+    keys = {base}
+    for path in files:
+        text = path.read_bytes()
+        path.write_bytes(text + b"\n// edited\n")
+        keys.add(build_key(csrc))
+        path.write_bytes(text)
+        assert build_key(csrc) == base
+    assert len(keys) == len(files) + 1, "some file's edit left the build key unchanged"
+    (csrc / "new_family.cpp").write_text("// a kernel family added later\n")
+    assert build_key(csrc) not in keys
+
+
+def test_build_compiles_every_source():
+    """Each family's .cpp is a translation unit of the extension, the registration file too."""
+    names = [path.name for path in sources()]
+    assert names == sorted(path.name for path in CSRC.glob("*.cpp"))
+    assert "registration.cpp" in names and len(names) > 1
+
+
+def _package_data(package: str) -> list[str]:
+    """The `package = [...]` line of pyproject's [tool.setuptools.package-data] (no tomllib on
+    Python 3.10)."""
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    section = text.split("[tool.setuptools.package-data]\n", 1)[1].split("\n[", 1)[0]
+    for line in section.splitlines():
+        name, _, value = line.partition("=")
+        if name.strip() == package:
+            return ast.literal_eval(value.split("#", 1)[0].strip())
+    raise AssertionError(f"no package-data for {package!r} in pyproject.toml")
+
+
+def test_package_ships_every_source_and_header():
+    """pyproject's package-data covers every file the build reads, headers included."""
+    patterns = _package_data("kernels")
+    needed = [f"csrc/{path.name}" for path in [*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]]
+    assert any(name.endswith(".h") for name in needed)
+    missing = [name for name in needed if not any(fnmatch.fnmatch(name, p) for p in patterns)]
+    assert not missing, f"not in [tool.setuptools.package-data] kernels: {missing}"
