@@ -3,7 +3,7 @@
     python bench/cpu_ab.py --feature cascade --workload prefix --rounds 4
     python bench/cpu_ab.py --feature narrow-linear --workload prefill --rounds 6
 
-cascade: decodes over a shared prefix through paged_attention_cascade (kernels/reference.py,
+cascade: decodes over a shared prefix through paged_attention_cascade (kernels/cpu_backend.py,
 CASCADE_MIN_TOKENS), against the one-pass decode kernel. narrow-linear: linears of at most
 AMX_NARROW_MAX_OUT outputs on the AMX kernel at every row count (kernels/cpu_linear.py), against
 oneDNN above AMX_MAX_ROWS rows. Workloads as bench/offline.py's, plus prefill: 32 prompts of 256
@@ -19,12 +19,12 @@ import random
 import time
 
 import kernels.cpu_linear as cpu_linear
-import kernels.reference as reference
+import kernels.cpu_backend as cpu_backend
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 FEATURES = {  # feature -> (module, knob, value off); on is the module's own value
-    "cascade": (reference, "CASCADE_MIN_TOKENS", 10**9),
+    "cascade": (cpu_backend, "CASCADE_MIN_TOKENS", 10**9),
     "narrow-linear": (cpu_linear, "AMX_NARROW_MAX_OUT", 0),
 }
 

@@ -2,7 +2,7 @@
 
 torch's F.linear repacks the weight on every call; a pre-packed weight skips that. Prefill-sized
 calls go to oneDNN with a weight packed for many rows. Decode-sized calls (up to AMX_MAX_ROWS)
-go to our AMX kernel (kernels/csrc/cpu_ops.cpp, amx_linear) where the CPU has AMX, which streams
+go to our AMX kernel (kernels/csrc/linear.cpp, amx_linear) where the CPU has AMX, which streams
 the weight once; otherwise to oneDNN with a packing tuned for few rows. Narrow linears (at most
 AMX_NARROW_MAX_OUT outputs) take the AMX kernel at every row count, as it splits the output
 columns over all threads. The row and width thresholds come from measurements: bench/README.md
