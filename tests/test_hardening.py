@@ -34,7 +34,7 @@ def _bound(seconds: float) -> float:
 class LimitedServer(ServerProcess):
     """ServerProcess under `ulimit -n nofile` (set in the child before exec)."""
 
-    def __init__(self, model: str, nofile: int, *args: str) -> None:
+    def __init__(self, model: str, nofile: int, *args: str, env: dict | None = None) -> None:
         from conftest import free_port
 
         self.port = free_port()
@@ -44,7 +44,11 @@ class LimitedServer(ServerProcess):
         self._log = open(self.log_path, "w")
         limit = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=limit
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=limit,
+            env={**os.environ, **(env or {})},
         )
 
     def full_log(self) -> str:
@@ -67,8 +71,10 @@ def servers(tiny_model_dir):
             env={**paced, "PYTHONPROFILEIMPORTTIME": "1"},
         ),
         "default": ServerProcess(model, "--dtype", "float32", "--shutdown-timeout", "0", env=paced),
-        "fds": LimitedServer(model, NOFILE, "--dtype", "float32", "--timeout-request-header", "60"),
-        "segv": ServerProcess(model, "--dtype", "float32", env=paced),
+        # Also the one the SIGSEGV test kills, after the descriptor test (file order).
+        "fds": LimitedServer(
+            model, NOFILE, "--dtype", "float32", "--timeout-request-header", "60", env=paced
+        ),
     }
     try:
         for s in procs.values():
@@ -312,7 +318,7 @@ def test_low_descriptor_limit_answers_503_or_refuses_never_500_and_logs_boundedl
 
 # ---- crashes and shutdown -----------------------------------------------------------------------
 def test_sigsegv_mid_stream_leaves_the_stack_in_the_log_and_a_nonzero_exit(servers):
-    server = servers["segv"]
+    server = servers["fds"]
 
     async def scenario():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
