@@ -61,12 +61,6 @@ class GrammarBitmask:
         out[index] = out[index].masked_fill_(banned, float("-inf"))
         return out
 
-    def mask_logits(
-        self, logits: torch.Tensor, rows: list[int], matchers: list, raw: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """fill + apply for the rows whose requests carry a matcher."""
-        return self.apply(logits, rows, self.fill(matchers), raw)
-
 
 def accept_tokens(matchers: list[llguidance.LLMatcher], token_ids: list[int]) -> None:
     """Each matcher consumes its row's sampled token (a masked token is always accepted)."""

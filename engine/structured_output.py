@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import llguidance
-import llguidance.hf
 
 GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
@@ -127,6 +126,8 @@ class GrammarCompiler:
         cache_size: int = DEFAULT_CACHE_SIZE,
         max_workers: int = 2,
     ) -> None:
+        import llguidance.hf  # imports transformers: only where a tokenizer exists anyway
+
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
