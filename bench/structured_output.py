@@ -157,7 +157,7 @@ def main() -> None:
     device = str(engine.runner.device)
     print(json.dumps({"device": device, "dtype": str(engine.runner.dtype), "rows": rows}))
     print(json.dumps({k: round(v, 2) for k, v in ttft.items()}))
-    print("| batch | decode step ms | constrained step ms | fill ms | apply ms | (fill+apply)/step |")
+    print("| batch | decode step ms | constrained step ms | fill ms | apply ms | mask / step |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(

@@ -20,10 +20,12 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.request_id import RequestIdMiddleware
+from server.responses_protocol import ResponsesRequest
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 from server.serving_engine import ServingContext
 from server.serving_errors import APIError, error_response
+from server.serving_responses import create_response
 from server.serving_tokenization import detokenize, tokenize
 
 __all__ = ["APIError", "VERSION", "build_app", "error_response"]
@@ -33,10 +35,17 @@ logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 
 
-def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: Metrics) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    tokenizer,
+    model_name: str,
+    metrics: Metrics,
+    tool_call_parser: str | None = None,  # None: tool_choice "auto" is refused
+) -> FastAPI:
     app = FastAPI(title="pagedserve", version=VERSION)
     app.state.engine, app.state.tokenizer, app.state.metrics = engine, tokenizer, metrics
     ctx = ServingContext.build(engine, tokenizer, model_name)
+    ctx.tool_call_parser = tool_call_parser
     app.state.serving = ctx
     _install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
@@ -75,6 +84,10 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: Metrics)
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
         return await create_chat_completion(ctx, body)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest):
+        return await create_response(ctx, body)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest):

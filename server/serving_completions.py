@@ -25,6 +25,7 @@ from server.serving_engine import (
     ChoiceState,
     ServingContext,
     check_choices,
+    compile_grammar,
     engine_error,
     make_usage,
     merge_outputs,
@@ -99,6 +100,7 @@ class CompletionChoiceFormatter:
 async def create_completion(ctx: ServingContext, body: CompletionRequest):
     ctx.check_model(body.model)
     params = to_sampling_params(body)
+    await compile_grammar(ctx, params, (body.grammar_source() or (None, None))[1])
     prompts = tokenize_prompts(ctx, body)
     per_prompt = [resolve_max_tokens(ctx, len(p), params, "prompt") for p in prompts]
     request_id = f"cmpl-{current_request_id()}"

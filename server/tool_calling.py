@@ -18,6 +18,7 @@ from typing import Literal
 
 from engine.sampling_params import SamplingParamsError
 from engine.structured_output import GrammarSpec
+from server.tool_parsers import StreamDelta, ToolCallDelta, get_tool_parser, new_tool_call_id
 
 ToolMode = Literal["none", "auto", "required", "named"]
 
@@ -131,3 +132,45 @@ def _call_for_template(call: dict) -> dict:
         except json.JSONDecodeError as e:
             raise SamplingParamsError("messages", "tool call arguments must be JSON") from e
     return {**call, "function": fn}
+
+
+class ToolCallReader:
+    """One choice's generated text -> content and tool-call deltas, by its plan's mode."""
+
+    def __init__(self, plan: ToolPlan, parser_name: str | None) -> None:
+        self.plan = plan
+        self.streamer = None
+        if plan.parses_calls:  # forced calls are written in the hermes format whatever the flag
+            self.streamer = get_tool_parser(parser_name if plan.mode == "auto" else "hermes")
+            self.streamer = self.streamer.streamer()
+        self.call_id: str | None = None
+        self.num_calls = 0
+
+    def feed(self, text: str) -> StreamDelta:
+        if self.streamer is not None:
+            return self._count(self.streamer.feed(text))
+        if self.plan.mode != "named":
+            return StreamDelta(content=text)
+        out = StreamDelta()
+        if self.call_id is None:
+            self.call_id = new_tool_call_id()
+            out.tool_calls.append(ToolCallDelta(0, self.call_id, self.plan.function_name))
+            self.num_calls = 1
+        if text:
+            out.tool_calls.append(ToolCallDelta(0, arguments=text))
+        return out
+
+    def finish(self) -> StreamDelta:
+        if self.streamer is not None:
+            return self._count(self.streamer.finish())
+        return self.feed("") if self.plan.mode == "named" else StreamDelta()
+
+    def _count(self, delta: StreamDelta) -> StreamDelta:
+        self.num_calls += sum(1 for d in delta.tool_calls if d.name is not None)
+        return delta
+
+    def finish_reason(self, generated: str | None) -> str | None:
+        """OpenAI's: "tool_calls" when auto or required produced calls; a named call "stop"."""
+        if generated == "stop" and self.num_calls and self.plan.parses_calls:
+            return "tool_calls"
+        return generated

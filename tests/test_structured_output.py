@@ -27,7 +27,7 @@ def run_tokens(tokenizer, matcher, text: str) -> bool:
     return matcher.consume_tokens(tokenizer.encode(text))
 
 
-def slow_schema(num_branches: int = 20000) -> dict:
+def slow_schema(num_branches: int = 6000) -> dict:
     """An anyOf of many one-key objects: valid, and slow for llguidance to compile."""
     return {
         "anyOf": [
