@@ -160,12 +160,9 @@ def guard_settings(args: argparse.Namespace):
 
 def build_server(args: argparse.Namespace):
     """Loads the model and builds the app (on the loader thread); returns (engine, app)."""
-    from transformers import AutoTokenizer
-
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
     from server.app import build_app
-    from server.lifecycle import install_engine_error_handler
     from server.metrics import Metrics
 
     engine = LLMEngine(engine_config(args))
@@ -173,10 +170,8 @@ def build_server(args: argparse.Namespace):
     metrics = Metrics(engine.model_name)
     metrics.observe(engine.snapshot_stats())  # block gauges read true before the first step
     async_engine = AsyncEngine(engine, metrics.observe, args.max_num_queued_reqs)
-    tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)  # own copy: engine thread decodes
     parser = args.tool_call_parser if args.enable_auto_tool_choice else None
-    app = build_app(async_engine, tokenizer, engine.model_name, metrics, parser)
-    install_engine_error_handler(app)
+    app = build_app(async_engine, metrics, parser)
     async_engine.start()
     return async_engine, app
 

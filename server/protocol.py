@@ -91,6 +91,8 @@ def response_format_spec(fmt: dict | None, param: str = "response_format") -> Gr
     if not fmt:
         return None
     kind = fmt.get("type", "text")
+    if kind == "json_schema" and not isinstance(fmt.get("json_schema"), dict):
+        raise SamplingParamsError(param, "response_format.json_schema must be an object")
     if kind == "text":
         return None
     if kind == "json_object":

@@ -90,14 +90,18 @@ def _item_messages(item: dict, i: int, history: list[dict]) -> list[dict]:
         return [{"role": "assistant", "content": None, "tool_calls": [call]}]
     if kind == "function_call_output":
         output = item.get("output")
-        content = output if isinstance(output, str) else _parts_text(output or [], i)
+        content = output if isinstance(output, str) else _parts_text(_as_list(output), i)
         return [{"role": "tool", "tool_call_id": item.get("call_id"), "content": content}]
     raise SamplingParamsError("input", f"input[{i}]: item type {kind!r} is not supported")
 
 
 def _item_text(item: dict, i: int) -> str:
     content = item.get("content", "")
-    return content if isinstance(content, str) else _parts_text(content, i)
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise SamplingParamsError("input", f"input[{i}].content must be a string or parts")
+    return _parts_text(content, i)
 
 
 def _parts_text(parts: list, i: int) -> str:
@@ -111,8 +115,12 @@ def _parts_text(parts: list, i: int) -> str:
     return "\n".join(texts)
 
 
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value] if value is not None else []
+
+
 def _chat_tool(tool: dict) -> dict:
-    if tool.get("type") != "function":
+    if not isinstance(tool, dict) or tool.get("type") != "function":
         raise SamplingParamsError("tools", f"tool type {tool.get('type')!r} is not supported")
     fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
     return {"type": "function", "function": fn}

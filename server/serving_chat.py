@@ -37,17 +37,15 @@ from server.serving_engine import (
     ChoiceRequest,
     ChoiceState,
     ServingContext,
-    check_choices,
     compile_grammar,
-    engine_error,
+    make_requests,
     make_usage,
     merge_outputs,
     plan_choices,
-    resolve_max_tokens,
     sse,
     to_sampling_params,
 )
-from server.serving_errors import APIError, error_body
+from server.serving_errors import APIError, engine_error, error_body
 from server.serving_logprobs import chat_logprobs
 from server.tool_calling import ToolCallReader, ToolPlan, plan_tools, template_messages
 from server.tool_parsers import StreamDelta
@@ -217,10 +215,9 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request
     prompt_ids = render_chat_prompt(
         ctx.tokenizer, body.messages, body.add_generation_prompt, body.add_special_tokens, tools
     )
-    params = resolve_max_tokens(ctx, len(prompt_ids), params, "messages")
     # Engine ids stay unique even when a client reuses its X-Request-Id.
     choices = plan_choices(f"{request_id}-{uuid.uuid4().hex[:8]}", [prompt_ids], [params])
-    check_choices(ctx, choices)
+    make_requests(ctx, choices, "messages")
     return ChatRun(request_id, prompt_ids, choices, plan)
 
 

@@ -17,6 +17,7 @@ import json
 from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParamsError
 from server.request_id import current_request_id
@@ -30,11 +31,10 @@ from server.responses_protocol import (
     responses_usage,
 )
 from server.serving_chat import ChatRun, prepare_chat
-from server.serving_engine import ChoiceState, ServingContext, engine_error, merge_outputs, sse
-from server.serving_errors import APIError, error_body
+from server.serving_engine import ChoiceState, ServingContext, merge_outputs, sse
+from server.serving_errors import APIError, engine_error, error_body
 from server.tool_calling import ToolCallReader
 from server.tool_parsers import StreamDelta
-
 
 _RESPONSES_PARAMS = {
     "response_format": "text.format",
@@ -62,6 +62,10 @@ def _as_chat(body: ResponsesRequest):
         return body.to_chat_request()
     except SamplingParamsError as e:
         raise APIError(400, str(e), param=e.param) from e
+    except ValidationError as e:  # an item the chat request cannot hold (a role, a part)
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise APIError(400, f"input: {where}: {first.get('msg', 'invalid')}", param="input") from e
 
 
 class ResponseWriter:

@@ -88,7 +88,8 @@ def plan_tools(
 
 def _named_function(choice) -> str:
     if isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name") or choice.get("name")
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
         if isinstance(name, str):
             return name
     msg = 'tool_choice must be "none", "auto", "required" or {"type": "function", ...}'
@@ -118,13 +119,18 @@ def template_messages(messages: list[dict]) -> list[dict]:
     for m in messages:
         calls = m.get("tool_calls")
         if m.get("role") == "assistant" and calls:
+            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                raise SamplingParamsError("messages", "tool_calls must be a list of objects")
             m = {**m, "tool_calls": [_call_for_template(c) for c in calls]}
         out.append(m)
     return out
 
 
 def _call_for_template(call: dict) -> dict:
-    fn = dict(call.get("function") or {})
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        raise SamplingParamsError("messages", "a tool call's function must be an object")
+    fn = dict(fn)
     args = fn.get("arguments")
     if isinstance(args, str):
         try:
