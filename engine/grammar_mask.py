@@ -53,7 +53,9 @@ class GrammarBitmask:
     ) -> torch.Tensor:
         num_rows, vocab = len(rows), logits.shape[-1]
         as_bytes = bitmask.to(self.device, non_blocking=True).view(torch.uint8)  # [R, 4 W]
-        banned = self._banned[as_bytes.long()].view(num_rows, -1)[:, :vocab]  # [R, vocab]
+        # index_select over the flat bytes: several times faster than advanced indexing on CPU
+        banned = self._banned.index_select(0, as_bytes.reshape(-1).long())
+        banned = banned.view(num_rows, -1)[:, :vocab]  # [R, vocab]
         out = logits.clone() if logits is raw else logits
         if num_rows == out.shape[0]:
             return out.masked_fill_(banned, float("-inf"))
