@@ -32,6 +32,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, StepStats
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +172,11 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    async def compile_grammar(self, spec: GrammarSpec) -> None:
+        """Compiles off both the event loop and the engine thread, within the time limit;
+        GrammarError (HTTP 400) when the grammar is invalid, unsupported or too slow."""
+        await self.engine.grammar_compiler.compile_async(spec)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

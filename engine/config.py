@@ -32,6 +32,7 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs for decode batches
+    grammar_compile_timeout: float = 10.0  # seconds; a slower grammar is refused (400)
 
     def __post_init__(self) -> None:
         if self.block_size is None:  # resolved once here, so every reader sees one number
@@ -62,6 +63,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
         if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 1:
             raise ValueError("max_num_queued_reqs must be positive")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("grammar_compile_timeout must be positive")
 
     @classmethod
     def field_names(cls) -> set[str]:

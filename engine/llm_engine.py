@@ -22,6 +22,7 @@ from engine.outputs import (
 from engine.request import Request, RequestRejectedError, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, self.model_dir, self.hf_config)
         self.scheduler = Scheduler(self.config, self.runner.num_blocks)
         self.eos_token_id = self.tokenizer.eos_token_id
+        self.grammar_compiler = GrammarCompiler(
+            self.tokenizer, self.vocab_size, self.config.grammar_compile_timeout
+        )
         self.request_states: dict[str, RequestState] = {}
         self.last_token_time: dict[str, float] = {}
         self.aborted_metrics: list[RequestMetrics] = []  # reported with the next stats
@@ -92,6 +96,8 @@ class LLMEngine:
         if params.max_tokens is None:
             left = self.config.max_model_len - req.num_prompt_tokens
             req.sampling_params = replace(params, max_tokens=left)
+        if params.structured_outputs is not None:  # the server compiled it already: a cache hit
+            req.grammar = self.grammar_compiler.compile(params.structured_outputs).new_matcher()
         return req
 
     def add_request(

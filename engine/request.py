@@ -67,6 +67,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        # llguidance.LLMatcher when the output follows a grammar: it has consumed exactly the
+        # output tokens so far (the sampler masks and advances it), whatever the KV holds.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

@@ -2,6 +2,7 @@
 
 raw logits --> logprobs (of the raw distribution, for requests that asked)
     | logit_bias, min_tokens (EOS and stop tokens masked), penalties
+    | grammar masks (engine/grammar_mask.py): -inf outside each constrained row's grammar
     v
 processed --> greedy rows: argmax
     | / temperature, min-p, top-k, top-p
@@ -10,6 +11,7 @@ probs --> random rows: inverse CDF, the first token whose cumulative probability
           u * total, u ~ U(0, 1) (a categorical draw). Seeded requests draw u from their own
           torch.Generator, one number per step, so their tokens do not depend on what else
           is in the batch.
+A constrained row's matcher then consumes the token sampled for it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.grammar_mask import GrammarBitmask, accept_tokens
 from engine.logprobs import token_logprobs
 from engine.outputs import TokenLogprobs
 from engine.request import Request
@@ -43,6 +46,7 @@ class Sampler:
         self.argmax_rows = kernel_argmax_rows(ops) if use_kernel else argmax_rows
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_masks: dict[str, torch.Tensor] = {}  # repetition_penalty: prompts never change
+        self.grammar_masks: GrammarBitmask | None = None  # built on the first grammar row
 
     def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         """A seeded request owns its generator, so its draws do not depend on the batch."""
@@ -73,14 +77,27 @@ class Sampler:
     ) -> SamplerOutput:
         params = [r.sampling_params for r in requests]
         processed = apply_logits_processors(logits, requests, self.prompt_mask)
+        grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        matchers = [requests[i].grammar for i in grammar_rows]
+        if grammar_rows:  # after the processors, before greedy and random rows alike
+            masks = self.grammar_masks_for(logits.shape[-1])
+            processed = masks.apply(processed, grammar_rows, masks.fill(matchers), raw=logits)
         if all(p.greedy for p in params):
             sampled = self.argmax_rows(processed)
         else:
             sampled = self.sample(processed, requests)
+        sampled_ids = sampled.tolist()
+        if grammar_rows:
+            accept_tokens(matchers, [sampled_ids[i] for i in grammar_rows])
         return SamplerOutput(
-            sampled_token_ids=sampled.tolist(),
-            logprobs=sampled_logprobs(logits, sampled, requests),
+            sampled_token_ids=sampled_ids,
+            logprobs=sampled_logprobs(logits, sampled, requests),  # of the raw distribution
         )
+
+    def grammar_masks_for(self, vocab_size: int) -> GrammarBitmask:
+        if self.grammar_masks is None:
+            self.grammar_masks = GrammarBitmask(vocab_size, self.device)
+        return self.grammar_masks
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:  # [N]
         params = [r.sampling_params for r in requests]

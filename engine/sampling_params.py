@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.structured_output import GrammarSpec
+
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 4
@@ -31,6 +33,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per sampled token (0: only the sampled one)
     prompt_logprobs: int | None = None  # the same for each prompt token (echo + logprobs)
     skip_special_tokens: bool = True
+    structured_outputs: GrammarSpec | None = None  # the grammar the output must follow
 
     def __post_init__(self) -> None:
         if self.top_k == -1:

@@ -18,10 +18,12 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.request_id import RequestIdMiddleware
+from server.responses_protocol import ResponsesRequest
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 from server.serving_engine import ServingContext
 from server.serving_errors import APIError, error_response, install_error_handlers
+from server.serving_responses import create_response
 from server.serving_tokenization import detokenize, tokenize
 
 __all__ = ["APIError", "VERSION", "build_app", "error_response"]
@@ -31,11 +33,16 @@ logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 
 
-def build_app(engine: AsyncEngine, metrics: Metrics) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    metrics: Metrics,
+    tool_call_parser: str | None = None,  # None: tool_choice "auto" is refused
+) -> FastAPI:
     """The app over the engine's facade (model name, tokenizer, limits all come from it)."""
     app = FastAPI(title="pagedserve", version=VERSION)
     app.state.engine, app.state.metrics = engine, metrics
     ctx = ServingContext.build(engine)
+    ctx.tool_call_parser = tool_call_parser
     app.state.serving = ctx
     install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
@@ -79,6 +86,10 @@ def build_app(engine: AsyncEngine, metrics: Metrics) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
         return await create_chat_completion(ctx, body)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest):
+        return await create_response(ctx, body)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest):

@@ -11,6 +11,7 @@ import sys
 import yaml
 
 from engine.config import EngineConfig
+from server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("pagedserve")
 
@@ -83,6 +84,18 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": read tool calls from the text with --tool-call-parser',
+    )
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), help="e.g. hermes")
+    p.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a structured-output grammar may take to compile; slower ones get 400",
+    )
     p.add_argument("--log-level", default="info")
 
 
@@ -219,7 +232,8 @@ def build_server(args: argparse.Namespace, state=None):
         metrics.watch_connections(state.connections)
     metrics.observe(engine.snapshot_stats())  # block gauges read true before the first step
     async_engine = AsyncEngine(engine, metrics.observe, args.max_num_queued_reqs)
-    app = build_app(async_engine, metrics)
+    parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+    app = build_app(async_engine, metrics, parser)
     async_engine.start()
     return async_engine, app
 
@@ -257,6 +271,8 @@ def _check_serve_args(args: argparse.Namespace) -> None:
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if args.enable_auto_tool_choice and not args.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     except ValueError as e:
         print(f"pagedserve: error: {e}", file=sys.stderr)
         sys.exit(2)

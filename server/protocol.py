@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer
 
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.structured_output import GrammarError, GrammarSpec
 
 
 def _now() -> int:
@@ -47,14 +48,61 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-_REFUSED_EXTRAS = (
-    "prompt_logprobs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-)
+# vLLM's structured_outputs keys we honour (exactly one) and the grammar kind each becomes.
+_STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _spec_from(kind: str, value: Any, param: str) -> GrammarSpec:
+    """One grammar source -> its spec; a malformed value is a 400 naming `param`."""
+    try:
+        if kind == "json":
+            return GrammarSpec.json_schema(value)
+        if kind == "choice":
+            if not isinstance(value, list):
+                raise GrammarError("choice must be a list of strings")
+            return GrammarSpec.choice(value)
+        if kind == "json_object":
+            return GrammarSpec("json_object")
+        if not isinstance(value, str) or not value:
+            raise GrammarError(f"{kind} must be a non-empty string")
+        return GrammarSpec(kind, value)
+    except GrammarError as e:
+        raise SamplingParamsError(param, str(e)) from e
+
+
+def _structured_outputs_spec(value: Any) -> GrammarSpec:
+    param = "structured_outputs"
+    if not isinstance(value, dict):
+        raise SamplingParamsError(param, "structured_outputs must be an object")
+    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    unsupported = sorted(set(given) - set(_STRUCTURED_OUTPUT_KEYS))
+    if unsupported:
+        raise SamplingParamsError(param, f"structured_outputs.{unsupported[0]} is not supported")
+    if len(given) != 1:
+        keys = ", ".join(_STRUCTURED_OUTPUT_KEYS)
+        raise SamplingParamsError(param, f"structured_outputs needs exactly one of {keys}")
+    ((kind, v),) = given.items()
+    return _spec_from(kind, v, param)
+
+
+def response_format_spec(fmt: dict | None, param: str = "response_format") -> GrammarSpec | None:
+    """OpenAI's response_format: text (no grammar), json_object, json_schema {name, schema}."""
+    if not fmt:
+        return None
+    kind = fmt.get("type", "text")
+    if kind == "json_schema" and not isinstance(fmt.get("json_schema"), dict):
+        raise SamplingParamsError(param, "response_format.json_schema must be an object")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if schema is None:
+            raise SamplingParamsError(param, "response_format.json_schema.schema is required")
+        return _spec_from("json", schema, param)
+    raise SamplingParamsError(param, f"response_format type {kind!r} is not supported")
 
 
 class SamplingRequest(BaseModel):
@@ -84,21 +132,40 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
-    # vLLM extras that would change the output if honoured: refused rather than ignored
-    prompt_logprobs: int | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: dict | None = None
+    structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
+
+    # a vLLM extra that would change the output if ignored: refused
+    prompt_logprobs: int | None = None
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options", "stream_options requires stream=true")
-        for name in _REFUSED_EXTRAS:
-            if getattr(self, name) is not None:
-                hint = "; use echo with logprobs" if name == "prompt_logprobs" else ""
-                raise SamplingParamsError(name, f"{name} is not supported{hint}")
+        if self.prompt_logprobs is not None:
+            msg = "prompt_logprobs is not supported; use echo with logprobs"
+            raise SamplingParamsError("prompt_logprobs", msg)
+
+    def grammar_source(self) -> tuple[GrammarSpec, str] | None:
+        """The one grammar the request asks for and the field it came from (400 for two)."""
+        found = []
+        if self.structured_outputs is not None:
+            found.append((_structured_outputs_spec(self.structured_outputs), "structured_outputs"))
+        for name in _GUIDED_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                found.append((_spec_from(name.removeprefix("guided_"), value, name), name))
+        spec = response_format_spec(self.response_format)
+        if spec is not None:
+            found.append((spec, "response_format"))
+        if len(found) > 1:
+            msg = f"{found[1][1]} cannot be combined with {found[0][1]}: give one grammar"
+            raise SamplingParamsError(found[1][1], msg)
+        return found[0] if found else None
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -127,6 +194,7 @@ class SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=(self.grammar_source() or (None,))[0],
         )
 
 
@@ -172,8 +240,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None  # refused when non-empty
-    response_format: dict | None = None  # only {"type": "text"}
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
@@ -183,10 +252,6 @@ class ChatCompletionRequest(SamplingRequest):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise SamplingParamsError("tools", "tool calling is not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise SamplingParamsError("response_format", "only response_format type text")
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs", "top_logprobs requires logprobs=true")
         max_tokens = self.max_completion_tokens
@@ -276,10 +341,24 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
-class ChatResponseMessage(BaseModel):
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatResponseMessage(OpenAIModel):
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"tool_calls"})
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -299,11 +378,30 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(OpenAIModel):
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"name"})
+
+    name: str | None = None
+    arguments: str = ""
+
+
+class DeltaToolCall(OpenAIModel):
+    """OpenAI's streamed call: the first piece has id, type and name, the rest arguments."""
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"id", "type"})
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIModel):
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"role", "content"})
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"role", "content", "tool_calls"})
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -1,4 +1,8 @@
-"""POST /v1/chat/completions: messages -> chat template -> n engine requests -> body or SSE."""
+"""POST /v1/chat/completions: messages -> chat template -> n engine requests -> body or SSE.
+
+With tools, each choice's text goes through a ToolCallReader (server/tool_calling.py): content
+and tool calls, whole or streamed as OpenAI streams them.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,13 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParamsError
+from engine.structured_output import GrammarSpec
 from server.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -19,13 +26,18 @@ from server.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
 )
 from server.request_id import current_request_id
 from server.serving_engine import (
     ChoiceRequest,
     ChoiceState,
     ServingContext,
+    compile_grammar,
     make_requests,
     make_usage,
     merge_outputs,
@@ -35,6 +47,8 @@ from server.serving_engine import (
 )
 from server.serving_errors import APIError, engine_error, error_body
 from server.serving_logprobs import chat_logprobs
+from server.tool_calling import ToolCallReader, ToolPlan, plan_tools, template_messages
+from server.tool_parsers import StreamDelta
 
 _TEXT_PART_TYPES = ("text", "input_text")
 
@@ -52,17 +66,30 @@ def _message_dict(m: ChatMessage) -> dict:
 
 
 def render_chat_prompt(
-    tokenizer, messages: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool
+    tokenizer,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """The model's chat template as text, then tokens (the template carries its own specials)."""
+    """The model's chat template as text, then tokens (the template carries its own specials).
+
+    `tools` reach the template as its `tools` variable; history tool-call arguments as objects.
+    """
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions")
-    conversation = [_message_dict(m) for m in messages]
+    try:
+        conversation = template_messages([_message_dict(m) for m in messages])
+    except SamplingParamsError as e:
+        raise APIError(400, str(e), param=e.param) from e
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
     except Exception as e:  # noqa: BLE001 - a template's raise_exception() is the user's error
         raise APIError(400, f"chat template error: {e}", param="messages") from e
@@ -75,10 +102,12 @@ def render_chat_prompt(
 class ChatChoiceFormatter:
     """One choice's engine deltas -> chat stream choices; also accumulates the full message."""
 
-    def __init__(self, ctx: ServingContext, choice: ChoiceRequest, body: ChatCompletionRequest):
+    def __init__(self, ctx: ServingContext, choice: ChoiceRequest, body, plan: ToolPlan):
         self.index, self.strings = choice.index, ctx.token_strings
         self.num_top = (body.top_logprobs or 0) if body.logprobs else None
+        self.reader = ToolCallReader(plan, ctx.tool_call_parser)
         self.content, self.logprobs = "", []
+        self.tool_calls: dict[int, ToolCall] = {}
         self.finish_reason, self.stop_reason = None, None
 
     @property
@@ -89,47 +118,113 @@ class ChatChoiceFormatter:
         if self.finished:  # nothing after a choice's finish_reason
             return None
         c = out.outputs[0]
-        self.content += c.text
-        self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+        read = self.reader.feed(c.text)
+        if c.finish_reason is not None:
+            tail = self.reader.finish()
+            read = StreamDelta(read.content + tail.content, read.tool_calls + tail.tool_calls)
+        self.content += read.content
+        calls = self._add_calls(read)
+        self.finish_reason = self.reader.finish_reason(c.finish_reason)
+        self.stop_reason = c.stop_reason
         logprobs = None
         if self.num_top is not None and c.token_ids:
             entries = chat_logprobs(self.strings, c.logprobs or [], self.num_top)
             self.logprobs += entries
             logprobs = ChatChoiceLogprobs(content=entries)
-        if not (c.text or logprobs or self.finished):
+        if not (read.content or calls or logprobs or self.finished):
             return None
+        content = read.content if read.content or (logprobs and not calls) else None
         return ChatStreamChoice(
             index=self.index,
-            delta=DeltaMessage(content=c.text if c.text or logprobs else None),
+            delta=DeltaMessage(content=content, tool_calls=calls or None),
             logprobs=logprobs,
-            finish_reason=c.finish_reason,
+            finish_reason=self.finish_reason,
             stop_reason=c.stop_reason,
         )
+
+    def _add_calls(self, read: StreamDelta) -> list[DeltaToolCall]:
+        """Accumulates the calls and returns them as OpenAI's stream pieces (a call's first
+        piece carries id, type and name), one piece per call per chunk."""
+        pieces: dict[int, DeltaToolCall] = {}
+        for d in read.tool_calls:
+            if d.name is not None:
+                fn = FunctionCall(name=d.name, arguments="")
+                self.tool_calls[d.index] = ToolCall(id=d.id, function=fn)
+            self.tool_calls[d.index].function.arguments += d.arguments
+            piece = pieces.get(d.index)
+            if piece is None:
+                fn = DeltaFunctionCall(name=d.name, arguments=d.arguments)
+                kind = "function" if d.id else None
+                pieces[d.index] = DeltaToolCall(index=d.index, id=d.id, type=kind, function=fn)
+            else:
+                piece.function.arguments += d.arguments
+        return list(pieces.values())
 
     def message_choice(self) -> ChatChoice:
         logprobs = None
         if self.num_top is not None:
             logprobs = ChatChoiceLogprobs(content=self.logprobs)
+        calls = [self.tool_calls[i] for i in sorted(self.tool_calls)] or None
+        content = self.content if self.content or not calls else None
         return ChatChoice(
             index=self.index,
-            message=ChatResponseMessage(content=self.content),
+            message=ChatResponseMessage(content=content, tool_calls=calls),
             logprobs=logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
 
 
-async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest):
+@dataclass
+class ChatRun:
+    """A chat request past every check: its engine requests and how to read their text."""
+
+    request_id: str
+    prompt_ids: list[int]
+    choices: list[ChoiceRequest]
+    plan: ToolPlan
+
+
+def plan_chat_tools(ctx: ServingContext, body: ChatCompletionRequest) -> ToolPlan:
+    try:
+        return plan_tools(
+            body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_call_parser is not None
+        )
+    except SamplingParamsError as e:
+        raise APIError(400, str(e), param=e.param) from e
+
+
+async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request_id: str):
+    """Every refusal for a chat request, before any response: model, tools, sampling fields,
+    grammar (compiled here, off the engine thread), template, limits, queue."""
     ctx.check_model(body.model)
+    plan = plan_chat_tools(ctx, body)
     params = to_sampling_params(body)
+    source = body.grammar_source()
+    param = source[1] if source else None
+    for fn in plan.functions if plan.mode != "none" else []:  # each schema must compile
+        fn_params = replace(params, structured_outputs=GrammarSpec.json_schema(fn["parameters"]))
+        await compile_grammar(ctx, fn_params, "tools")
+    if plan.grammar is not None:
+        if source is not None:
+            msg = f"{param} cannot be combined with tool_choice {plan.mode!r}"
+            raise APIError(400, msg, param=param)
+        params, param = replace(params, structured_outputs=plan.grammar), "tools"
+    await compile_grammar(ctx, params, param)
+    tools = body.tools if plan.functions else None
     prompt_ids = render_chat_prompt(
-        ctx.tokenizer, body.messages, body.add_generation_prompt, body.add_special_tokens
+        ctx.tokenizer, body.messages, body.add_generation_prompt, body.add_special_tokens, tools
     )
-    request_id = f"chatcmpl-{current_request_id()}"
     # Engine ids stay unique even when a client reuses its X-Request-Id.
     choices = plan_choices(f"{request_id}-{uuid.uuid4().hex[:8]}", [prompt_ids], [params])
     make_requests(ctx, choices, "messages")
-    formatters = [ChatChoiceFormatter(ctx, c, body) for c in choices]
+    return ChatRun(request_id, prompt_ids, choices, plan)
+
+
+async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest):
+    run = await prepare_chat(ctx, body, f"chatcmpl-{current_request_id()}")
+    request_id, prompt_ids, choices = run.request_id, run.prompt_ids, run.choices
+    formatters = [ChatChoiceFormatter(ctx, c, body, run.plan) for c in choices]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = _stream(ctx, request_id, [prompt_ids], choices, formatters, include_usage)

@@ -24,6 +24,7 @@ from server.serving_engine import (
     ChoiceRequest,
     ChoiceState,
     ServingContext,
+    compile_grammar,
     make_requests,
     make_usage,
     merge_outputs,
@@ -96,6 +97,7 @@ class CompletionChoiceFormatter:
 async def create_completion(ctx: ServingContext, body: CompletionRequest):
     ctx.check_model(body.model)
     params = to_sampling_params(body)
+    await compile_grammar(ctx, params, (body.grammar_source() or (None, None))[1])
     prompts = tokenize_prompts(ctx, body)
     request_id = f"cmpl-{current_request_id()}"
     # Engine ids stay unique even when a client reuses its X-Request-Id.

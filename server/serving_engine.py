@@ -14,6 +14,7 @@ from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.structured_output import GrammarError
 from server.protocol import PromptTokensDetails, UsageInfo
 from server.serving_errors import APIError, engine_error
 from server.serving_logprobs import TokenStrings
@@ -30,6 +31,8 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     token_strings: TokenStrings
+    # --enable-auto-tool-choice / --tool-call-parser (None: "auto" tool choice is refused)
+    tool_call_parser: str | None = None
 
     @classmethod
     def build(cls, engine: AsyncEngine) -> ServingContext:
@@ -64,6 +67,17 @@ def to_sampling_params(body, param_fallback: str | None = None) -> SamplingParam
         raise APIError(400, str(e), param=e.param) from e
     except ValueError as e:
         raise APIError(400, str(e), param=param_fallback) from e
+
+
+async def compile_grammar(ctx: ServingContext, params: SamplingParams, param: str | None) -> None:
+    """The request's grammar compiled (or found in the cache) before any engine request exists;
+    400 naming `param` for one that is invalid, unsupported or too slow to compile."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await ctx.engine.compile_grammar(params.structured_outputs)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=param) from e
 
 
 def child_params(params: SamplingParams, i: int) -> SamplingParams:

@@ -525,3 +525,48 @@ class ScriptedEngine:
                 num_cached_tokens=2,
                 prompt_logprobs=prompt_lps if i == 0 else None,
             )
+
+
+# ---- structured outputs, tools and Responses (tests/test_openai_{structured,tools,responses}) --
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and m.get('tool_calls') %}<|im_start|>assistant\n"
+    "{% for c in m['tool_calls'] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tools_model_dir(tmp_path_factory) -> Path:
+    """The tiny model with a chat template that renders `tools` and tool-call history."""
+    path = build_tiny_model_dir(tmp_path_factory.mktemp("tiny-tools"))
+    (path / "chat_template.jinja").write_text(TOOLS_CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tools_server(tools_model_dir):
+    server = ServerProcess(
+        str(tools_model_dir),
+        "--dtype", "float32",
+        "--served-model-name", "tiny",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser", "hermes",
+        "--grammar-compile-timeout", "0.25",
+    ).wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tclient(tools_server):
+    import openai
+
+    return openai.OpenAI(base_url=tools_server.url + "/v1", api_key="x", max_retries=0)

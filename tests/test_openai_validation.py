@@ -48,7 +48,7 @@ CASES = [
     (C, {"prompt": 3.5}, 400, "prompt"),
     (C, {}, 400, "prompt"),
     (C, {"prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
-    (C, {"prompt": "hi", "guided_regex": "a+"}, 400, "guided_regex"),
+    (C, {"prompt": "hi", "guided_regex": "(a+"}, 400, "guided_regex"),
     (C, {"prompt": "hi", "model": "nope"}, 404, "model"),
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
@@ -64,8 +64,8 @@ CASES = [
     (CHAT, {"messages": MSG, "stop": ["", "x"]}, 400, "stop"),
     (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
-    (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    (CHAT, {"messages": MSG, "guided_json": {"type": "object"}}, 400, "guided_json"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format"),
+    (CHAT, {"messages": MSG, "guided_json": {"type": "frob"}}, 400, "guided_json"),
     (CHAT, {"messages": MSG, "model": "nope"}, 404, "model"),
 ]
 

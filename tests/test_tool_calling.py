@@ -1,0 +1,119 @@
+"""tools / tool_choice checks and the grammars that force a call."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.sampling_params import SamplingParamsError
+from engine.structured_output import GrammarCompiler
+from server.tool_calling import plan_tools, template_messages
+from server.tool_parsers import HermesToolParser
+from tests.conftest import build_byte_tokenizer
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+NOOP = {"type": "function", "function": {"name": "noop"}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    c = GrammarCompiler(tokenizer, vocab_size=len(tokenizer))
+    yield c
+    c.shutdown()
+
+
+def accepts(tokenizer, compiler, spec, text: str) -> bool:
+    m = compiler.compile(spec).new_matcher()
+    return m.consume_tokens(tokenizer.encode(text)) and m.is_accepting()
+
+
+def test_modes():
+    assert plan_tools(None, None, None, False).mode == "none"
+    assert plan_tools([WEATHER], "none", None, False).mode == "none"
+    assert plan_tools([WEATHER], None, None, True).mode == "auto"
+    assert plan_tools([WEATHER], "required", None, False).mode == "required"
+    named = plan_tools([WEATHER, NOOP], {"type": "function", "function": {"name": "noop"}}, None, 0)
+    assert (named.mode, named.function_name) == ("named", "noop")
+
+
+@pytest.mark.parametrize(
+    "tools,choice,param",
+    [
+        ([WEATHER], {"type": "function", "function": {"name": "missing"}}, "tool_choice"),
+        ([WEATHER], "auto", "tool_choice"),  # the server was not started with auto tool choice
+        ([WEATHER], "sometimes", "tool_choice"),
+        (None, "required", "tool_choice"),
+        ([{"type": "function", "function": {"name": "f", "parameters": "nope"}}], None, "tools"),
+        ([{"type": "code_interpreter"}], "required", "tools"),
+        ([WEATHER, WEATHER], "required", "tools"),
+    ],
+)
+def test_refusals_name_the_field(tools, choice, param):
+    with pytest.raises(SamplingParamsError) as e:
+        plan_tools(tools, choice, None, False)
+    assert e.value.param == param
+
+
+def test_required_grammar_forces_hermes_calls(tokenizer, compiler):
+    spec = plan_tools([WEATHER, NOOP], "required", None, False).grammar
+    one = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    two = one + '\n<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>'
+    assert accepts(tokenizer, compiler, spec, one) and accepts(tokenizer, compiler, spec, two)
+    assert HermesToolParser().extract(two).tool_calls[1].name == "noop"
+    for bad in [
+        "",  # at least one call
+        one.replace("get_weather", "get_weathe"),
+        one.replace('"Oslo"', "5"),
+        one.replace('{"city"', '{ "city"'),  # no free whitespace inside the JSON
+    ]:
+        assert not accepts(tokenizer, compiler, spec, bad), bad
+
+
+def test_one_call_without_parallel_tool_calls(tokenizer, compiler):
+    spec = plan_tools([NOOP], "required", False, False).grammar
+    one = '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>'
+    assert accepts(tokenizer, compiler, spec, one)
+    assert not accepts(tokenizer, compiler, spec, one + "\n" + one)
+
+
+def test_named_function_grammar_is_its_parameters(tokenizer, compiler):
+    spec = plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, 1, 0)
+    assert accepts(tokenizer, compiler, spec.grammar, '{"city": "Rome"}')
+    assert not accepts(tokenizer, compiler, spec.grammar, '{"town": "Rome"}')
+
+
+def test_history_arguments_become_objects():
+    history = [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    out = template_messages(history)
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert out[1] == history[1]
+    with pytest.raises(SamplingParamsError):
+        template_messages([{"role": "assistant", "tool_calls": [{"function": {"arguments": "{"}}]}])
