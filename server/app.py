@@ -10,7 +10,9 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import AsyncEngine
+from engine.kv_view import KVView
 from server.metrics import Metrics
+from server.playground import install_offline_docs, install_playground
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -25,6 +27,7 @@ from server.serving_completions import create_completion
 from server.serving_engine import ServingContext
 from server.serving_errors import APIError, error_response
 from server.serving_tokenization import detokenize, tokenize
+from server.tokenizer_info import tokenizer_info
 
 __all__ = ["APIError", "VERSION", "build_app", "error_response"]
 
@@ -33,8 +36,16 @@ logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 
 
-def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: Metrics) -> FastAPI:
-    app = FastAPI(title="pagedserve", version=VERSION)
+def build_app(
+    engine: AsyncEngine,
+    tokenizer,
+    model_name: str,
+    metrics: Metrics,
+    kv_view: KVView | None = None,
+) -> FastAPI:
+    """kv_view: the engine's KV view, or None for no playground (`--disable-playground`)."""
+    # FastAPI's own /docs and /redoc load their scripts from a CDN: ours are served locally.
+    app = FastAPI(title="pagedserve", version=VERSION, docs_url=None, redoc_url=None)
     app.state.engine, app.state.tokenizer, app.state.metrics = engine, tokenizer, metrics
     ctx = ServingContext.build(engine, tokenizer, model_name)
     app.state.serving = ctx
@@ -83,6 +94,17 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: Metrics)
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest):
         return detokenize(ctx, body)
+
+    info = tokenizer_info(tokenizer)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route() -> dict:
+        """The tokenizer's configuration (vLLM's shape), as lm-eval's remote tokenizer reads it."""
+        return info
+
+    install_offline_docs(app)
+    if kv_view is not None:
+        install_playground(app, kv_view)
 
     return app
 

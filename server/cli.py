@@ -81,6 +81,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--disable-playground",
+        action="store_true",
+        help="no playground page at / and no /kv/snapshot, /kv/stream (404)",
+    )
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -131,7 +136,8 @@ def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
     )
     settings = LifecycleSettings(args.shutdown_timeout, args.engine_stall_timeout)
-    return asyncio.run(run_server(config, switch, state, lambda: build_server(args), settings))
+    build = lambda: build_server(args, state)  # noqa: E731 - runs on the loader thread
+    return asyncio.run(run_server(config, switch, state, build, settings))
 
 
 def guard_settings(args: argparse.Namespace):
@@ -145,8 +151,10 @@ def guard_settings(args: argparse.Namespace):
     )
 
 
-def build_server(args: argparse.Namespace):
-    """Loads the model and builds the app (on the loader thread); returns (engine, app)."""
+def build_server(args: argparse.Namespace, state=None):
+    """Loads the model and builds the app (on the loader thread); returns (engine, app).
+
+    state: the ServerState whose draining flag ends the app's long-lived streams."""
     from transformers import AutoTokenizer
 
     from engine.async_engine import AsyncEngine
@@ -161,7 +169,10 @@ def build_server(args: argparse.Namespace):
     metrics.observe(engine.snapshot_stats())  # block gauges read true before the first step
     async_engine = AsyncEngine(engine, metrics.observe, args.max_num_queued_reqs)
     tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)  # own copy: engine thread decodes
-    app = build_app(async_engine, tokenizer, engine.model_name, metrics)
+    kv_view = None if args.disable_playground else async_engine.kv_view
+    app = build_app(async_engine, tokenizer, engine.model_name, metrics, kv_view)
+    if state is not None:
+        app.state.is_draining = lambda: state.draining
     install_engine_error_handler(app)
     async_engine.start()
     return async_engine, app
