@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from engine.kv_view import KVView
@@ -19,6 +19,9 @@ from server.kv_api import build_kv_router
 
 STATIC_DIR = Path(__file__).parent / "static"
 DOCS_ASSETS = "/docs-assets"
+# ReDoc's bundle draws its vendor's logo from a CDN; an inline blank image keeps it offline.
+_REDOC_REMOTE_LOGO = b'"https://cdn.redoc.ly/redoc/logo-mini.svg"'
+_BLANK_SVG = b"\"data:image/svg+xml,%3Csvg xmlns='http://www.w3.org/2000/svg'/%3E\""
 
 
 def install_playground(app: FastAPI, kv_view: KVView) -> None:
@@ -37,8 +40,14 @@ def install_offline_docs(app: FastAPI) -> None:
     """Swagger UI at /docs and ReDoc at /redoc from local files (build the app with
     docs_url=None, redoc_url=None so FastAPI's CDN-backed pages are not registered)."""
     assets = Path(str(files("fastapi_offline") / "static"))
-    app.mount(DOCS_ASSETS, StaticFiles(directory=assets), name="docs-assets")
+    redoc_js = (assets / "redoc.standalone.js").read_bytes().replace(_REDOC_REMOTE_LOGO, _BLANK_SVG)
     title = f"{app.title} API"
+
+    @app.get(f"{DOCS_ASSETS}/redoc.standalone.js", include_in_schema=False)
+    async def redoc_bundle() -> Response:  # registered before the mount, so it wins
+        return Response(redoc_js, media_type="text/javascript")
+
+    app.mount(DOCS_ASSETS, StaticFiles(directory=assets), name="docs-assets")
 
     @app.get("/docs", include_in_schema=False)
     async def swagger_ui() -> HTMLResponse:
