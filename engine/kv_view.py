@@ -1,11 +1,12 @@
 """A live view of the paged KV cache for the playground and its API (no torch, no FastAPI).
 
 The engine thread owns the block pool, so the view copies what it needs there, between steps,
-as a few flat sequences: the running requests' block tables (lists the KV cache manager keeps
-anyway), the pool's one-byte-per-block hash tags and some counters. Ref counts are not read
-block by block: every held block's ref count equals the number of running requests whose table
-holds it (`KVCacheManager.check_integrity`), so readers rebuild them from the tables, off the
-engine thread (server/kv_api.py). `bench/kv_view.py` measures the copy and the step loop with
+as a few flat arrays: the running requests' block tables (int32 copies kept up to date
+incrementally, so a capture converts only the ids added since the previous one), the pool's
+one-byte-per-block hash tags and some counters. Ref counts are not read block by block: every
+held block's ref count equals the number of running requests whose table holds it
+(`KVCacheManager.check_integrity`), so readers rebuild them from the tables, off the engine
+thread (server/kv_api.py). `bench/kv_view.py` measures the copy and the step loop with
 and without a subscriber.
 
     engine thread:  step -> on_step(stats) --(due and wanted)--> take_snapshot -> callbacks
@@ -20,8 +21,10 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.scheduler import Scheduler
 
@@ -29,12 +32,11 @@ MAX_UPDATES_PER_S = 10.0
 MAX_WAITING_LISTED = 64  # a snapshot names the head of the waiting queue, not all of it
 
 
-@dataclass(frozen=True)
-class RequestBlocks:
+class RequestBlocks(NamedTuple):  # a tuple: built 256 times per capture, cheaply
     """One running request as the KV cache sees it: logical block i -> block_table[i]."""
 
     request_id: str
-    block_table: list[int]
+    block_table: array  # of int32 ('i'), this snapshot's own copy
     num_computed_tokens: int
     num_tokens: int
     num_prompt_tokens: int
@@ -68,15 +70,50 @@ class _Totals:
     prefix_cache_hits: int = 0
 
 
-def take_snapshot(scheduler: Scheduler, seq: int = 0, totals: _Totals | None = None) -> KVSnapshot:
-    """Engine thread only, between steps: O(running requests) list copies plus one memcpy."""
+class BlockTableCopies:
+    """array('i') copies of the running requests' block tables, extended as tables grow.
+
+    Copying a list of Python ints touches every int object (its ref count), which is what a
+    capture of 100k held blocks would spend its time on. Tables only grow while a request
+    runs, so each capture converts just the new tail and hands the snapshot a memcpy.
+    """
+
+    def __init__(self) -> None:
+        self._copies: dict[tuple[str, int], array] = {}
+
+    def copy(self, request_id: str, num_preemptions: int, live: list[int]) -> array:
+        """A table changes other than by appending only when it is freed (preemption, which
+        counts in num_preemptions, or the end), so (id, num_preemptions) names one history."""
+        key = (request_id, num_preemptions)
+        arr = self._copies.get(key)
+        if arr is None:
+            arr = self._copies[key] = array("i")
+        if len(live) > len(arr):
+            arr.extend(live[len(arr) :])
+        return arr[:]
+
+    def retain(self, keys: set[tuple[str, int]]) -> None:
+        for key in [k for k in self._copies if k not in keys]:
+            del self._copies[key]
+
+
+def take_snapshot(
+    scheduler: Scheduler,
+    seq: int = 0,
+    totals: _Totals | None = None,
+    tables: BlockTableCopies | None = None,
+) -> KVSnapshot:
+    """Engine thread only, between steps: O(running requests) plus the block ids added since
+    the previous capture with the same `tables`, and one memcpy of the hash tags."""
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
     get_block_ids = kv.get_block_ids
+    tables = tables or BlockTableCopies()
+    copy = tables.copy
     requests = [
         RequestBlocks(
             r.request_id,
-            list(get_block_ids(r.request_id)),
+            copy(r.request_id, r.num_preemptions, get_block_ids(r.request_id)),
             r.num_computed_tokens,
             r.num_tokens,
             r.num_prompt_tokens,
@@ -89,6 +126,8 @@ def take_snapshot(scheduler: Scheduler, seq: int = 0, totals: _Totals | None = N
         (r.request_id, r.num_preemptions)
         for r in itertools.islice(scheduler.waiting, MAX_WAITING_LISTED)
     ]
+    if len(requests) != len(tables._copies):
+        tables.retain({(r.request_id, r.num_preemptions) for r in requests})
     totals = totals or _Totals()
     return KVSnapshot(
         seq=seq,
@@ -124,6 +163,7 @@ class KVView:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _ids: itertools.count = field(default_factory=itertools.count)
     _totals: _Totals = field(default_factory=_Totals)
+    _tables: BlockTableCopies = field(default_factory=BlockTableCopies)
     _seq: int = 0
     _next_due: float = 0.0
     _dirty: bool = True
@@ -177,7 +217,7 @@ class KVView:
     def capture_now(self) -> KVSnapshot:
         """A snapshot outside the rate (tests, benchmarks); subscribers are not called."""
         self._seq += 1
-        return take_snapshot(self.scheduler, self._seq, self._totals)
+        return take_snapshot(self.scheduler, self._seq, self._totals, self._tables)
 
     def _fingerprint(self) -> tuple:
         pool = self.scheduler.kv_cache_manager.block_pool

@@ -32,10 +32,10 @@ FULL_UPDATE_FRACTION = 8  # more than 1/8 of the blocks changed: send them all a
 
 def ref_counts(snap: KVSnapshot) -> np.ndarray:
     """Each block's ref count: how many running requests' block tables hold it."""
-    tables = [r.block_table for r in snap.requests if r.block_table]
-    if not tables:
+    tables = [np.asarray(r.block_table, dtype=np.int64) for r in snap.requests]
+    if not any(len(t) for t in tables):
         return np.zeros(snap.num_blocks, dtype=np.int32)
-    ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in tables])
+    ids = np.concatenate(tables)
     return np.bincount(ids, minlength=snap.num_blocks).astype(np.int32)
 
 
@@ -69,7 +69,7 @@ def _requests(snap: KVSnapshot) -> list[dict]:
     return [
         {
             "request_id": r.request_id,
-            "block_table": r.block_table,
+            "block_table": np.asarray(r.block_table).tolist(),
             "num_computed_tokens": r.num_computed_tokens,
             "num_tokens": r.num_tokens,
             "num_prompt_tokens": r.num_prompt_tokens,
@@ -111,7 +111,7 @@ def events_between(prev: KVSnapshot, cur: KVSnapshot) -> list[dict]:
     for r in cur.requests:
         if r.request_id in prev_running or r.num_cached_tokens <= 0:
             continue
-        hit = r.block_table[: r.num_cached_tokens // cur.block_size]
+        hit = np.asarray(r.block_table[: r.num_cached_tokens // cur.block_size]).tolist()
         events.append(
             {
                 "type": "prefix_hit",

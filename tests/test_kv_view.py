@@ -9,7 +9,7 @@ import time
 import numpy as np
 from conftest import make_request, make_scheduler, run_fake_step
 
-from engine.kv_view import KVView, take_snapshot
+from engine.kv_view import BlockTableCopies, KVView, take_snapshot
 from server.kv_api import StreamEncoder, block_codes, ref_counts, snapshot_payload
 
 
@@ -42,7 +42,7 @@ def test_snapshot_matches_the_pool_ref_counts_hashes_and_tables():
     assert max(ref) == 2, "the shared prefix blocks are held twice"
     kv = sched.kv_cache_manager
     for r in snap.requests:
-        assert r.block_table == kv.get_block_ids(r.request_id)
+        assert r.block_table.tolist() == kv.get_block_ids(r.request_id)
         assert r.num_computed_tokens == sched.requests[r.request_id].num_computed_tokens
     assert {r.request_id for r in snap.requests} == {"a", "b"}
     assert [r.num_cached_tokens for r in snap.requests] == [12, 12]
@@ -51,13 +51,27 @@ def test_snapshot_matches_the_pool_ref_counts_hashes_and_tables():
 def test_snapshot_is_a_copy_not_live_state():
     sched = _shared_prefix_scheduler()
     snap = take_snapshot(sched)
-    before = [list(r.block_table) for r in snap.requests], bytes(snap.hash_tags)
+    before = [r.block_table.tolist() for r in snap.requests], bytes(snap.hash_tags)
     for _ in range(8):
         run_fake_step(sched)
-    assert ([list(r.block_table) for r in snap.requests], bytes(snap.hash_tags)) == before
-    assert [r.block_table for r in snap.requests] != [
+    assert ([r.block_table.tolist() for r in snap.requests], bytes(snap.hash_tags)) == before
+    assert [r.block_table.tolist() for r in snap.requests] != [
         sched.kv_cache_manager.get_block_ids(r.request_id) for r in snap.requests
     ]
+
+
+def test_incremental_table_copies_never_change_a_snapshot_already_taken():
+    sched = _shared_prefix_scheduler()
+    view = KVView(sched)
+    kv = sched.kv_cache_manager
+    taken = []
+    for _ in range(12):  # tables grow a block every 4 steps, in the same buffers
+        snap = view.capture_now()
+        taken.append((snap, [r.block_table.tolist() for r in snap.requests]))
+        assert taken[-1][1] == [kv.get_block_ids(r.request_id) for r in snap.requests]
+        run_fake_step(sched)
+    for snap, tables in taken:
+        assert [r.block_table.tolist() for r in snap.requests] == tables
 
 
 def test_payload_counters_and_codes():
@@ -96,10 +110,15 @@ def test_stream_updates_rebuild_the_pool_exactly_and_name_preemptions():
     for i in range(3):
         sched.add_request(make_request(f"r{i}", 10, max_tokens=12, start=100 * i))
     enc = StreamEncoder()
+    tables = BlockTableCopies()  # shared across captures: tables grow, reset on preemption
     codes = None
     kinds, events = [], []
     for _ in range(60):
-        snap = take_snapshot(sched, seq=len(kinds))
+        snap = take_snapshot(sched, seq=len(kinds), tables=tables)
+        kv = sched.kv_cache_manager
+        assert [r.block_table.tolist() for r in snap.requests] == [
+            kv.get_block_ids(r.request_id) for r in snap.requests
+        ]
         kind, body = _parse(enc.encode(snap))
         kinds.append(kind)
         events += body["events"]
