@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.backend import AttentionMetadata  # noqa: E402
-from kernels.reference import paged_attention, paged_decode_attention  # noqa: E402
+from kernels.backend import AttentionMetadata
+from kernels.reference import paged_attention, paged_decode_attention
 
 
 def make_inputs(batch: int, context: int, device: str, dtype: torch.dtype, block_size: int = 16):

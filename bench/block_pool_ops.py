@@ -10,16 +10,12 @@ loaded or slow machine can be scaled (about 10 ns on an idle modern core).
 from __future__ import annotations
 
 import argparse
-import sys
 import timeit
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.block_pool import BlockPool  # noqa: E402
-from engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from engine.request import Request, RequestStatus  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.block_pool import BlockPool
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
 
 NUM_BLOCKS = 4096
 

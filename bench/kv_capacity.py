@@ -20,20 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.config import EngineConfig  # noqa: E402
-from engine.kv_cache_manager import cdiv  # noqa: E402
-from engine.outputs import ModelRunnerOutput  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
+from engine.config import EngineConfig
+from engine.kv_cache_manager import cdiv
+from engine.outputs import ModelRunnerOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
 
 _EOS = 2
 _OTHER = 7

@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import engine.model_runner as model_runner  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+import engine.model_runner as model_runner
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 
 
 def prompts_for(workload: str, n: int, seed: int = 0) -> tuple[list[list[int]], int]:

@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine.request import Request  # noqa: E402
-from engine.sampler import Sampler  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
 
 MIXES = {
     "greedy": dict(temperature=0.0),
@@ -38,7 +34,7 @@ def _requests(n: int, vocab: int, params: dict) -> list[Request]:
         prompt = [rng.randrange(vocab) for _ in range(512)]
         req = Request(f"r{i}", prompt, SamplingParams(max_tokens=1024, **params))
         for _ in range(128):
-            req.append_output_token(rng.randrange(vocab))
+            req.all_token_ids.append(rng.randrange(vocab))
         reqs.append(req)
     return reqs
 

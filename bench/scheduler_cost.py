@@ -17,11 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not an install
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import cdiv

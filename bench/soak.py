@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import random
 import subprocess
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 from urllib.parse import urlparse
 
 import httpx
@@ -53,10 +55,7 @@ def parse_args() -> argparse.Namespace:
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     model = args.model or str(build_tiny_model())
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import free_port
-
-    port = free_port()
+    port = load_test_builders().free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", model, "--port", str(port)]
     cmd += ["--dtype", "float32", "--log-level", "warning"]
     log = open(Path(tempfile.gettempdir()) / f"soak-server-{port}.log", "w")
@@ -76,10 +75,15 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
 
 
 def build_tiny_model() -> Path:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import build_tiny_model_dir
+    return load_test_builders().build_tiny_model_dir(Path(tempfile.mkdtemp(prefix="soak-tiny-")))
 
-    return build_tiny_model_dir(Path(tempfile.mkdtemp(prefix="soak-tiny-")))
+
+def load_test_builders() -> ModuleType:
+    """tests/conftest.py, loaded by path: the test builders are not in the installed package."""
+    spec = importlib.util.spec_from_file_location("soak_conftest", ROOT / "tests" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ---- measurements -------------------------------------------------------------------------------

@@ -1,7 +1,16 @@
 """Runs LLMEngine.step() on a background thread; asyncio callers add, abort and await outputs.
 
-The interface is deliberately narrow (generate / abort / shutdown) so the loop can move to its
-own process later. Torch releases the GIL, so a long step never blocks the event loop.
+The server talks only to this facade, never to the LLMEngine inside, so the loop can move to
+its own process later:
+
+    model_name, model_dir, max_model_len, vocab_size, tokenizer     (read-only properties)
+    make_request(id, prompt ids, params) -> Request   every refusal, once, before any response
+    check_queue(num_new)                              the --max-num-queued-reqs bound (503)
+    generate(request) -> async RequestOutput deltas   leaving early aborts the request
+    abort(id), check_health() / is_alive              what /health and the lifecycle read
+    kv_view                                           the KV map's snapshots (engine/kv_view.py)
+
+Torch releases the GIL, so a long step never blocks the event loop.
 
 Test-only fault injection: PAGEDSERVE_FAULT_INJECT=crash_after_steps:N makes the loop raise after
 N steps, stall_after_steps:N makes it stop stepping (a hang), step_delay_ms:N slows every step;
@@ -17,6 +26,8 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import cached_property
+from pathlib import Path
 
 from engine.kv_view import KVView
 from engine.llm_engine import LLMEngine
@@ -44,7 +55,7 @@ class AsyncEngine:
         on_stats: Callable[[StepStats], None] | None = None,
         max_num_queued_reqs: int | None = None,
     ) -> None:
-        self.engine = engine
+        self.engine = engine  # the engine thread's; callers use the facade below
         self.on_stats = on_stats
         self.max_num_queued_reqs = max_num_queued_reqs
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -52,7 +63,6 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
-        self.last_step_time = time.monotonic()
         # Touched on every loop turn, idle or not: a stale value with work pending means a hang.
         self.last_progress_time = time.monotonic()
         # The playground's KV map: captures on this loop, only while someone subscribes.
@@ -70,6 +80,35 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def check_health(self) -> None:
+        """EngineDeadError unless the loop runs (what /health and /ping answer from)."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+
+    # ---- what the server may read --------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def model_dir(self) -> Path:
+        return self.engine.model_dir
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @cached_property
+    def tokenizer(self):
+        """The caller's own copy: the engine thread decodes with the engine's, concurrently."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.engine.model_dir)
 
     @property
     def num_waiting(self) -> int:
@@ -95,16 +134,33 @@ class AsyncEngine:
         self._fail_all(error)
 
     # ---- requests ----------------------------------------------------------------------------
-    async def generate(
+    def make_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Yields per-step deltas; leaving early (disconnect, cancel) aborts the request."""
+    ) -> Request:
+        """The request the engine will run, validated once (LLMEngine.make_request).
+
+        EngineDeadError if the loop is gone; a ValueError naming the field for anything that
+        can never run. Call check_queue for the batch first.
+        """
+        self.check_health()
         if request_id in self._streams:  # ids come partly from clients (X-Request-Id)
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = self.check_request(request_id, prompt_token_ids, params)
+        return self.engine.make_request(request_id, prompt_token_ids, params)
+
+    def check_queue(self, num_new: int = 1) -> None:
+        """QueueFullError if num_new more requests would pass --max-num-queued-reqs."""
+        limit = self.max_num_queued_reqs
+        if limit is not None and self.num_waiting + num_new > limit:
+            raise QueueFullError(f"the server's waiting queue is full ({limit} requests)")
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Yields per-step deltas of a request from make_request; leaving early aborts it."""
+        request_id = request.request_id
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
         out_q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out_q)
-        self._inbox.put(("add", req))
+        self._inbox.put(("add", request))
         finished = False
         try:
             if self.error is not None:  # died between the check and registering the stream
@@ -119,19 +175,6 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
-
-    def check_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> Request:
-        """Everything that can be refused is refused here, before any response starts."""
-        if self.error is not None or not self._thread.is_alive():
-            raise EngineDeadError("the engine is not running")
-        req = self.engine.make_request(request_id, prompt_token_ids, params)
-        if self.max_num_queued_reqs is not None and self.num_waiting >= self.max_num_queued_reqs:
-            raise QueueFullError(
-                f"the server's waiting queue is full ({self.max_num_queued_reqs} requests)"
-            )
-        return req
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -155,7 +198,6 @@ class AsyncEngine:
                         continue  # a stall returns only at shutdown
                     outputs, stats = self.engine.step()
                     num_steps += 1
-                    self.last_step_time = time.monotonic()
                     self._dispatch(outputs)
                     if self.on_stats is not None:
                         self.on_stats(stats)

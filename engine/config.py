@@ -6,11 +6,9 @@ from dataclasses import dataclass, fields
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
-# Per-step token budget when none is given. On CPU a prefill step costs ~0.6 ms per token, so a
-# 2048-token step holds every request that waits on it for over a second; 512-token steps let
-# prompts finish one after another (median TTFT 0.9-1.4 s against 2.1-2.8 s on bench/serve.py
-# std, throughput within the machine's noise; see bench/README.md). GPUs prefill 2048 tokens in
-# milliseconds.
+# Per-step token budget when none is given. CPU steps hold at most 512 tokens so prompts finish
+# one after another and wait less for their first token (throughput within noise); GPUs keep
+# vLLM's 2048. Measured in bench/README.md, "Per-step token budget on CPU".
 CPU_MAX_NUM_BATCHED_TOKENS = 512
 GPU_MAX_NUM_BATCHED_TOKENS = 2048
 

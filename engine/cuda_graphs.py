@@ -8,7 +8,7 @@ seq_len 1 (they read one cached token and are thrown away).
     buffers   | real rows 0..B-1 | padding rows B..bucket-1 (slot -1, seq_len 1) |
 
 Only backends whose kernels are capture-safe (no host syncs, grids fixed by the batch size,
-KV writes that skip slot -1) opt in with `supports_cuda_graphs`.
+KV writes that skip slot -1) opt in, declaring `supports_cuda_graphs` (kernels/backend.py).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ class DecodeCudaGraphs:
     @classmethod
     def build(cls, runner) -> DecodeCudaGraphs | None:
         cfg = runner.config
-        if runner.device.type != "cuda" or getattr(cfg, "enforce_eager", False):
+        if runner.device.type != "cuda" or cfg.enforce_eager:
             return None
-        if not getattr(runner.backend, "supports_cuda_graphs", False):
+        if not runner.backend.supports_cuda_graphs:
             logger.info("CUDA graphs off: backend %s is not capture-safe", runner.backend.name)
             return None
         max_num_blocks = -(cfg.max_model_len // -runner.block_size)

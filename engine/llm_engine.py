@@ -14,13 +14,12 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import RequestState
 from engine.outputs import (
     CompletionOutput,
-    ModelRunnerOutput,
     RequestMetrics,
     RequestOutput,
     StepStats,
     TokenLogprobs,
 )
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestRejectedError, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -72,18 +71,27 @@ class LLMEngine:
     def make_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Request:
-        """Builds and validates a request; ValueError for anything that can never run."""
+        """Builds and validates a request, once, for the server and the offline API alike.
+
+        RequestRejectedError (a ValueError naming `param`) for anything that can never run:
+        token ids outside the vocabulary, the context length, a KV pool too small. A None
+        max_tokens becomes what max_model_len leaves after the prompt.
+        """
         vocab = self.vocab_size  # one config lookup, not one per prompt token
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"token id {bad} is out of the vocabulary (size {vocab})")
+            msg = f"token id {bad} is out of the vocabulary (size {vocab})"
+            raise RequestRejectedError(msg, "prompt")
         for token_id in params.logit_bias or {}:
-            if not 0 <= int(token_id) < self.vocab_size:
+            if not 0 <= int(token_id) < vocab:
                 raise SamplingParamsError(
                     "logit_bias", f"logit_bias token id {token_id} is out of the vocabulary"
                 )
         req = Request(request_id, prompt_token_ids, params, eos_token_id=self.eos_token_id)
         self.scheduler.check_fits(req)
+        if params.max_tokens is None:
+            left = self.config.max_model_len - req.num_prompt_tokens
+            req.sampling_params = replace(params, max_tokens=left)
         return req
 
     def add_request(
@@ -92,6 +100,7 @@ class LLMEngine:
         self.add(self.make_request(request_id, prompt_token_ids, params))
 
     def add(self, req: Request) -> None:
+        """Queues a request built by make_request (nothing is checked twice)."""
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {req.request_id}")
         self.scheduler.add_request(req)
@@ -110,11 +119,9 @@ class LLMEngine:
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         t0 = time.monotonic()
         sched_out = self.scheduler.schedule()
-        results = []
-        runner_out = ModelRunnerOutput(sampled_token_ids=[])
-        if not sched_out.is_empty:
-            runner_out = self.runner.execute(sched_out)
-            results = self.scheduler.update_from_output(sched_out, runner_out)
+        # Called on an empty batch too: the runner frees what finished_req_ids names.
+        runner_out = self.runner.execute(sched_out)
+        results = self.scheduler.update_from_output(sched_out, runner_out)
         for rid, chunk in runner_out.prompt_logprobs.items():
             if rid in self.request_states:
                 self.request_states[rid].add_prompt_logprobs(chunk)
@@ -126,7 +133,7 @@ class LLMEngine:
             self._record_itl(req, now, stats)
             delta, stop_str = self.request_states[req.request_id].process_tokens(req, new_ids)
             if stop_str is not None:
-                self._finish_by_stop_string(req, stop_str)
+                self.scheduler.finish_by_stop_string(req, stop_str)
             logprobs = runner_out.logprobs.get(req.request_id)
             outputs.append(self._make_output(req, new_ids, delta, now, logprobs))
         for out in outputs:
@@ -140,13 +147,6 @@ class LLMEngine:
         if last is not None:
             stats.inter_token_latencies.append(now - last)
         self.last_token_time[req.request_id] = now
-
-    def _finish_by_stop_string(self, req: Request, stop_str: str) -> None:
-        if req.finished:  # already stopped by length or a token this step: the string wins
-            req.status = RequestStatus.FINISHED_STOPPED
-        else:  # frees its blocks now
-            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-        req.stop_reason = stop_str
 
     def _make_output(
         self,
@@ -162,7 +162,6 @@ class LLMEngine:
         if req.finished:
             self.request_states.pop(req.request_id, None)
             self.last_token_time.pop(req.request_id, None)
-            self.runner.release(req.request_id)
             metrics = RequestMetrics(
                 arrival_time=req.arrival_time,
                 first_scheduled_time=req.first_scheduled_time,

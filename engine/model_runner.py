@@ -9,18 +9,19 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs
+from engine.fused_decode import FusedDecode
 from engine.kv_cache_manager import cdiv
+from engine.layers import select_impls
 from engine.logprobs import compute_prompt_logprobs
-from engine.models import SUPPORTED_ARCHITECTURES
-from engine.models.llama import LlamaForCausalLM
+from engine.models import get_model_class
 from engine.outputs import ModelRunnerOutput
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from kernels import AttentionMetadata, get_attention_backend
-from kernels.cpu_linear import can_pack, pack_linears
 from kernels.cpu_ops import load_cpu_ops
 
 logger = logging.getLogger(__name__)
@@ -46,13 +47,10 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return _DTYPES.get(stored, torch.bfloat16) if stored != "float32" else torch.bfloat16
 
 
-def load_model(model_dir: Path, hf_config, backend, dtype, device) -> LlamaForCausalLM:
-    """Weights in; on CPU the fused kernels (when they build) and packed bf16 linears."""
-    archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
-    if archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"architecture {archs[0]} is not supported ({SUPPORTED_ARCHITECTURES})")
-    ops = load_cpu_ops() if device.type == "cpu" else None
-    model = LlamaForCausalLM(hf_config, backend, ops)
+def load_model(model_dir: Path, hf_config, backend, dtype, device) -> nn.Module:
+    """Weights in, then every layer picks its implementation once: on CPU the C++ kernels (when
+    they build) and packed bf16 linears, elsewhere the torch oracles."""
+    model = get_model_class(hf_config)(hf_config, backend)
     state: dict[str, torch.Tensor] = {}
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -65,8 +63,7 @@ def load_model(model_dir: Path, hf_config, backend, dtype, device) -> LlamaForCa
             f"weights do not match the model: missing={missing} unexpected={unexpected}"
         )
     model = model.to(device=device, dtype=dtype).eval()
-    if can_pack(device, dtype):
-        pack_linears(model, ops)
+    select_impls(model, load_cpu_ops() if device.type == "cpu" else None)
     return model
 
 
@@ -89,9 +86,10 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.num_blocks = self._measure_num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, load_cpu_ops() if self.device.type == "cpu" else None)
         self._allocate_input_buffers()
         self.decode_graphs = DecodeCudaGraphs.build(self)  # None: eager (CPU, --enforce-eager)
+        self.fused_decode = FusedDecode.build(self.model, self.backend)  # None: layer by layer
 
     def _allocate_input_buffers(self) -> None:
         """Host buffers reused every step, sized for the largest possible batch."""
@@ -135,7 +133,7 @@ class ModelRunner:
         """Flatten the batch: ids, positions, slot mapping, block table, logits rows.
 
         Every array op is vectorized over the batch; each request's block-table row persists
-        across steps and only its newly allocated block ids are copied in.
+        across steps and only the block ids the scheduler allocated this step are copied in.
         """
         bs, n_reqs = self.block_size, len(out.requests)
         query_lens = np.fromiter(out.num_scheduled_tokens, dtype=np.int64, count=n_reqs)
@@ -184,10 +182,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """One sampled token per scheduled request; None for a partial prefill chunk."""
+        for request_id in out.finished_req_ids:  # the scheduler's word drives cleanup
+            self.release(request_id)
+        if out.is_empty:
+            return ModelRunnerOutput(sampled_token_ids=[])
         input_ids, positions, meta, logits_rows, sample_idx = self.prepare_inputs(out)
         graphs = self.decode_graphs
+        fused = self.fused_decode
         if graphs is not None and graphs.can_run(meta):
             hidden = graphs.run(input_ids, positions, meta)
+        elif fused is not None and fused.can_run(meta):
+            hidden = fused.run(input_ids, positions, meta, self.kv_caches)
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         sampled: list[int | None] = [None] * len(out.requests)
@@ -202,6 +207,7 @@ class ModelRunner:
         return result
 
     def release(self, request_id: str) -> None:
+        """Drops a finished request's sampler state and block-table row (from finished_req_ids)."""
         self.sampler.release(request_id)
         self.block_tables.release(request_id)
 
@@ -238,33 +244,36 @@ def _gather_token_ids(out: SchedulerOutput) -> list[int]:
 
 
 class BlockTables:
-    """Persistent per-request block-table rows, extended incrementally as blocks are added.
+    """Per-request block-table rows, owned by the runner and edited only by the scheduler's deltas.
 
-    A request keeps its row from its first step until release(); the scheduler's block-id
-    list only grows, so each step copies just the ids past what the row already holds. A new
-    list object (preemption then readmission) rewrites the row from scratch.
+    A request keeps its row from its first step until the scheduler reports it finished. Each
+    step appends the block ids allocated for it (SchedulerOutput.new_block_ids); a reset
+    (first admission, readmission after preemption) rewrites the row from those ids.
     """
 
     def __init__(self, max_blocks_per_seq: int, num_rows: int = 64) -> None:
         self.table = np.zeros((num_rows, max_blocks_per_seq), dtype=np.int32)
         self.free_rows = list(range(num_rows - 1, -1, -1))
         self.row_of: dict[str, int] = {}
-        self.source: dict[str, list[int]] = {}  # the block-id list each row mirrors
         self.num_filled: dict[str, int] = {}
 
     def update(self, out: SchedulerOutput) -> np.ndarray:  # [num_reqs] row of each request
         rows = np.empty(len(out.requests), dtype=np.int64)
-        for i, (req, block_ids) in enumerate(zip(out.requests, out.block_ids)):
+        row_of, num_filled = self.row_of, self.num_filled
+        for i, (req, new_ids, reset) in enumerate(
+            zip(out.requests, out.new_block_ids, out.block_table_reset)
+        ):
             rid = req.request_id
-            row = self.row_of.get(rid)
+            row = row_of.get(rid)
             if row is None:
-                row = self.row_of[rid] = self._take_row()
-            if self.source.get(rid) is not block_ids:
-                self.source[rid], self.num_filled[rid] = block_ids, 0
-            filled = self.num_filled[rid]
-            if len(block_ids) > filled:
-                self.table[row, filled : len(block_ids)] = block_ids[filled:]
-                self.num_filled[rid] = len(block_ids)
+                row = row_of[rid] = self._take_row()
+                num_filled[rid] = 0
+            elif reset:
+                num_filled[rid] = 0
+            if new_ids:
+                filled = num_filled[rid]
+                self.table[row, filled : filled + len(new_ids)] = new_ids
+                num_filled[rid] = filled + len(new_ids)
             rows[i] = row
         return rows
 
@@ -279,5 +288,4 @@ class BlockTables:
         row = self.row_of.pop(request_id, None)
         if row is not None:
             self.free_rows.append(row)
-        self.source.pop(request_id, None)
         self.num_filled.pop(request_id, None)

@@ -8,6 +8,14 @@ import time
 from engine.sampling_params import SamplingParams
 
 
+class RequestRejectedError(ValueError):
+    """A request that can never run (HTTP 400): `param` names the field, `code` as OpenAI's."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -79,6 +87,3 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self.status)
-
-    def append_output_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)

@@ -2,8 +2,9 @@
 
 There is no prefill or decode phase: each request's num_computed_tokens catches up with its
 num_tokens, so chunked prefill and resume-after-preemption are the same path. A step costs
-O(scheduled requests): block tables are live lists, the waiting queue removes in O(1), and the
-running list is compacted once per step, never searched per finished request.
+O(scheduled requests): a decode step that allocates no block hands the runner a shared empty
+tuple, the waiting queue removes in O(1), and the running list is compacted once per step, never
+searched per finished request.
 """
 
 from __future__ import annotations
@@ -13,25 +14,34 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from engine.block_pool import KVCacheBlock
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.outputs import ModelRunnerOutput
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestRejectedError, RequestStatus
 from engine.request_queue import RequestQueue
 
 logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
+_NO_NEW_BLOCKS: tuple[int, ...] = ()
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's batch, in execution order. Lists are parallel to `requests`."""
+    """One step's batch, in execution order. Lists are parallel to `requests`.
+
+    Block ids are a delta the runner applies to its own copy of each block table: the table
+    starts over from `new_block_ids[i]` where `block_table_reset[i]` (first admission, or
+    readmission after preemption), otherwise `new_block_ids[i]` (often empty) is appended.
+    The tuples are the scheduler's snapshot of this step, never its live lists.
+    """
 
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
-    block_ids: list[list[int]] = field(default_factory=list)  # live tables: read, never keep
+    new_block_ids: list[tuple[int, ...]] = field(default_factory=list)  # allocated this step
+    block_table_reset: list[bool] = field(default_factory=list)  # True: the table starts over
     preempted: list[Request] = field(default_factory=list)
     num_new_requests: int = 0  # admitted from the waiting queue this step
     finished_req_ids: list[str] = field(default_factory=list)  # finished since the last step
@@ -63,31 +73,41 @@ class Scheduler:
 
     # ---- queue -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self.check_fits(request)
+        """Queues a request that passed check_fits (LLMEngine.make_request calls it once)."""
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def check_fits(self, request: Request) -> None:
-        """Reject what could never run, instead of queueing it to livelock."""
+        """Reject what could never run, instead of queueing it to livelock.
+
+        The one context-length and never-fits check (vLLM's wording, code
+        context_length_exceeded); the server and the offline API both reach it through
+        LLMEngine.make_request.
+        """
         num_prompt = request.num_prompt_tokens
         max_tokens = request.sampling_params.max_tokens
+        max_len = self.max_model_len
         if max_tokens is None:
-            if num_prompt > self.max_model_len:
-                raise ValueError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. "
-                    f"However, your request has {num_prompt} input tokens. Please reduce the "
-                    "length of the input messages."
+            if num_prompt >= max_len:  # not even one token would fit
+                raise RequestRejectedError(
+                    f"This model's maximum context length is {max_len} tokens. However, your "
+                    f"request has {num_prompt} input tokens. Please reduce the length of the "
+                    "input messages.",
+                    "prompt",
+                    "context_length_exceeded",
                 )
-        elif num_prompt + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the messages, "
+        elif num_prompt + max_tokens > max_len:
+            raise RequestRejectedError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the messages, "
                 f"{max_tokens} in the completion). Please reduce the length of the messages or "
-                "completion."
+                "completion.",
+                "prompt",
+                "context_length_exceeded",
             )
         needed = cdiv(self.max_kv_tokens(request), self.config.block_size)
         if needed > self.kv_cache_manager.num_blocks:
-            raise ValueError(
+            raise RequestRejectedError(
                 f"The request needs {needed} KV cache blocks but the whole pool has "
                 f"{self.kv_cache_manager.num_blocks}; it can never run. Reduce the prompt or "
                 "max_tokens, or start the server with a larger KV cache."
@@ -102,9 +122,6 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -126,7 +143,8 @@ class Scheduler:
         get_block_ids = self.kv_cache_manager.get_block_ids
         allocate_slots = self.kv_cache_manager.allocate_slots
         batch, num_scheduled = out.requests, out.num_scheduled_tokens
-        num_computed, block_tables = out.num_computed_tokens, out.block_ids
+        num_computed, new_block_ids = out.num_computed_tokens, out.new_block_ids
+        resets = out.block_table_reset
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -136,29 +154,36 @@ class Scheduler:
             if num_new <= 0:
                 continue
             end = computed + num_new
-            block_ids = get_block_ids(req.request_id)
-            if end > len(block_ids) * bs or end // bs != computed // bs:
-                if allocate_slots(req, num_new) is None:
-                    if not self._preempt_until_fits(req, num_new, out):
+            new_ids = _NO_NEW_BLOCKS
+            if end > len(get_block_ids(req.request_id)) * bs or end // bs != computed // bs:
+                new_blocks = allocate_slots(req, num_new)
+                if new_blocks is None:
+                    new_blocks = self._preempt_until_fits(req, num_new, out)
+                    if new_blocks is None:
                         break
-                block_ids = get_block_ids(req.request_id)
+                if new_blocks:
+                    new_ids = tuple([b.block_id for b in new_blocks])
             batch.append(req)
             num_scheduled.append(num_new)
             num_computed.append(computed)
-            block_tables.append(block_ids)
+            new_block_ids.append(new_ids)
+            resets.append(False)
             req.num_computed_tokens = end
             budget -= num_new
         return budget
 
-    def _preempt_until_fits(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Preempt from the back of `running` until req fits; False if req itself went."""
+    def _preempt_until_fits(
+        self, req: Request, num_new: int, out: SchedulerOutput
+    ) -> list[KVCacheBlock] | None:
+        """Preempt from the back of `running` until req fits: its new blocks, None if it went."""
         while True:
             victim = self.running.pop()
             self._preempt(victim, out)
             if victim is req:
-                return False
-            if self.kv_cache_manager.allocate_slots(req, num_new) is not None:
-                return True
+                return None
+            new_blocks = self.kv_cache_manager.allocate_slots(req, num_new)
+            if new_blocks is not None:
+                return new_blocks
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """FCFS admission: the head of the queue is never overtaken, so nobody starves."""
@@ -186,7 +211,9 @@ class Scheduler:
         out.requests.append(req)
         out.num_scheduled_tokens.append(num_new)
         out.num_computed_tokens.append(computed)
-        out.block_ids.append(self.kv_cache_manager.get_block_ids(req.request_id))
+        # Waiting requests hold no blocks, so what they hold now is their whole new table.
+        out.new_block_ids.append(tuple(self.kv_cache_manager.get_block_ids(req.request_id)))
+        out.block_table_reset.append(True)
         req.num_computed_tokens = computed + num_new
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -254,6 +281,18 @@ class Scheduler:
             req.stop_reason = token_id
             return True
         return False
+
+    def finish_by_stop_string(self, req: Request, stop_str: str) -> None:
+        """A stop string completed in the request's text (the detokenizer saw it this step).
+
+        It wins over a length or token stop decided in the same step (as in vLLM); a request
+        still running is finished and its blocks are freed now.
+        """
+        if req.finished:  # stopped in update_from_output: its blocks are already free
+            req.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        req.stop_reason = stop_str
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Abort (or otherwise finish) requests in any state; their blocks are freed now."""

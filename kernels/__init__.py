@@ -1,6 +1,7 @@
 """Attention backends over a paged KV cache, behind one interface (see backend.py).
 
-auto: flash_attn where it imports on CUDA, else triton on CUDA, else the torch reference.
+auto: flash_attn where it imports on CUDA, else triton on CUDA, else "torch": on CPU the C++
+kernels (kernels/cpu_backend.py) where they build, otherwise the pure-torch reference.
 An explicit name is honoured on any device where its module imports (tests drive the
 flash-attn path on CPU through a stand-in module).
 """
@@ -63,12 +64,22 @@ def get_attention_backend(
         return _build_flash_attn(device, block_size)
     if resolved == "triton":
         return _build_triton(device)
+    return _build_torch(device)
+
+
+def _build_torch(device: str) -> AttentionBackend:
+    """On CPU the C++ kernels' backend; the pure-torch reference where they do not build or are
+    turned off (PAGEDSERVE_CPU_KERNELS=0), and on other devices."""
     from kernels.reference import TorchAttentionBackend
 
     if device == "cpu":
         from kernels.cpu_ops import load_cpu_ops
 
-        return TorchAttentionBackend(load_cpu_ops())
+        ops = load_cpu_ops()
+        if ops is not None:
+            from kernels.cpu_backend import CpuAttentionBackend
+
+            return CpuAttentionBackend(ops)
     return TorchAttentionBackend()
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -38,8 +37,23 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
-class AttentionBackend(Protocol):
-    name: str
+class AttentionBackend:
+    """What every attention backend implements, and the optional capabilities it declares.
+
+    A capability is a class attribute with a default here; a backend that has one overrides the
+    attribute (and the method it names), so callers read the flag instead of probing.
+    """
+
+    name: str = "base"
+    # Capture-safe under CUDA graphs: no host syncs, grids fixed by the batch size, KV writes
+    # that skip slot -1 (engine/cuda_graphs.py).
+    supports_cuda_graphs: bool = False
+    # cascade_plan() may return a plan: decodes over a shared prefix read it once for all.
+    supports_cascade: bool = False
+    # fused_decode() may return a step that runs every decoder layer of a decode batch at once.
+    supports_fused_decode: bool = False
+    supports_sliding_window: bool = False  # no backend masks a window yet
+    supports_softcap: bool = False  # nor caps logits
 
     def write_kv(
         self,
@@ -48,7 +62,8 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
-    ) -> None: ...
+    ) -> None:
+        raise NotImplementedError
 
     def forward(
         self,
@@ -57,4 +72,51 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        raise NotImplementedError
+
+    def cascade_plan(self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int):
+        """(prefix block ids, prefix length, suffix block table, suffix lengths), or None: run
+        the batch without a cascade. Only backends with supports_cascade return a plan."""
+        return None
+
+    def fused_decode(self, stack: DecoderStack) -> FusedDecodeStep | None:
+        """A step running every layer of `stack` for a decode batch, or None where this backend
+        has no such step or its kernels do not cover the stack (supports_fused_decode)."""
+        return None
+
+
+@dataclass
+class DecoderStack:
+    """A pre-norm decoder (Llama's layer shape: norm, qkv, rope, attention, o, norm, gate_up,
+    SiLU-and-mul, down; no biases, no q/k norms) in the terms a fused decode kernel takes.
+
+    layer_weights holds six tensors per layer: input norm weight, qkv, o, post-attention norm
+    weight, gate_up, down, the four projections as the kernels packed them.
+    """
+
+    layer_weights: list[torch.Tensor]
+    final_norm_weight: torch.Tensor
+    eps: float  # every norm's, the same
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    dtype: torch.dtype
+
+
+class FusedDecodeStep:
+    """Runs a decode batch through a whole DecoderStack; built by AttentionBackend.fused_decode."""
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [num_seqs, hidden] embeddings of the new tokens
+        positions: torch.Tensor,  # [num_seqs]
+        cos_sin: torch.Tensor,  # [>= max_seq_len, head_dim] cos | sin per position
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:  # [num_seqs, hidden], final norm applied
+        raise NotImplementedError

@@ -1,12 +1,13 @@
-"""bf16 linears on CPU with weights packed once at load.
+"""bf16 linears on CPU with weights packed once at load: engine/layers/linear.py's CPU path.
 
 torch's F.linear repacks the weight on every call; a pre-packed weight skips that. Prefill-sized
-calls go to oneDNN with a weight packed for many rows. Decode-sized calls (up to 32 rows) go to
-our AMX kernel (kernels/csrc/cpu_ops.cpp, amx_linear) where the CPU has AMX, which streams the
-weight once at close to memory speed; otherwise to oneDNN with a packing tuned for few rows.
-Narrow linears (at most 1024 outputs: SmolLM2's o_proj, down_proj and qkv) take the AMX kernel
-at every row count, which splits the output columns over all threads; oneDNN kept one busy.
-Same math as F.linear: bf16 inputs, float32 accumulation, one rounding to bf16.
+calls go to oneDNN with a weight packed for many rows. Decode-sized calls (up to AMX_MAX_ROWS)
+go to our AMX kernel (kernels/csrc/linear.cpp, amx_linear) where the CPU has AMX, which streams
+the weight once; otherwise to oneDNN with a packing tuned for few rows. Narrow linears (at most
+AMX_NARROW_MAX_OUT outputs) take the AMX kernel at every row count, as it splits the output
+columns over all threads. The row and width thresholds come from measurements: bench/README.md
+("Narrow linears") and bench/cpu_ab.py rerun them. Same math as F.linear: bf16 inputs, float32
+accumulation, one rounding to bf16.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ DECODE_ROWS = 32  # packing hint for decode-sized batches
 PREFILL_ROWS = 2048  # packing hint for prefill chunks
 SMALL_MAX_ROWS = 96  # row counts up to this use oneDNN's decode packing
 AMX_MAX_ROWS = 32  # row counts up to this use the AMX kernel, where it runs
-# Outputs up to this wide use the AMX kernel at every row count: on them oneDNN's prefill matmul
-# ran no faster on two threads than on one (bench/README.md, "Narrow linears").
+# Outputs up to this wide use the AMX kernel at every row count (bench/README.md, "Narrow linears").
 AMX_NARROW_MAX_OUT = 1024
 
 
@@ -33,7 +33,10 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, ops=None) -> None:
+    """linear: an nn.Linear or engine.layers.Linear (weight [out, in], bias or None).
+    ops: kernels.cpu_ops, whose AMX kernel then takes the calls it fits, or None."""
+
+    def __init__(self, linear: nn.Module, ops=None) -> None:
         super().__init__()
         w = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -41,6 +44,7 @@ class PackedLinear(nn.Module):
         self.large = torch.ops.mkldnn._reorder_linear_weight(w, PREFILL_ROWS)
         # The AMX kernel rounds its output once; a bias added afterwards would round twice.
         self.ops = ops if self.bias is None and _amx_fits(ops, w) else None
+        self.amx: torch.Tensor | None = None  # the AMX kernel's packing (ops.decode_layers too)
         if self.ops is not None:
             self.amx = self.ops.amx_pack_weight(w)
         else:

@@ -1,11 +1,14 @@
-"""Fused CPU kernels (kernels/csrc/cpu_ops.cpp), compiled on first use and cached.
+"""Fused CPU kernels (kernels/csrc/, one .cpp per family), compiled on first use and cached.
 
     ops = load_cpu_ops()   # torch.ops.pagedserve_cpu, or None: use the torch ops instead
 
-The build lands in $PAGEDSERVE_CACHE/kernels/<hash of source, torch, CPU flags> (or under the
-temp dir when the cache is read-only, as in the CPU image), so a second start loads it in well
-under a second; a machine without a C++ compiler logs one warning and serves on the plain torch
-path. PAGEDSERVE_CPU_KERNELS=0 turns the kernels off.
+Every .cpp in kernels/csrc/ is compiled (ninja builds them in parallel) and linked into one
+extension; kernels/csrc/registration.cpp registers the ops. The build lands in
+$PAGEDSERVE_CACHE/kernels/<build_key()> (or under the temp dir when the cache is read-only, as
+in the CPU image), a hash over every source and header, torch, the flags and the CPU's flags, so
+editing any file rebuilds and a second start loads it in well under a second; a machine without
+a C++ compiler logs one warning and serves on the plain torch path. PAGEDSERVE_CPU_KERNELS=0
+turns the kernels off.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
 
 
@@ -42,7 +45,7 @@ def load_cpu_ops():
         _ensure_ninja_on_path()
         load(
             name="pagedserve_cpu_ops",
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in sources()],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -66,15 +69,30 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build_dir() -> Path:
-    from engine.model_loader import default_cache_dir
+def sources(csrc: Path = CSRC) -> list[Path]:
+    """The extension's translation units: every .cpp in csrc, in name order."""
+    return sorted(csrc.glob("*.cpp"))
 
+
+def build_key(csrc: Path = CSRC) -> str:
+    """Name of the build directory: a hash of every source and header in csrc (names and bytes),
+    the torch version, the compiler flags and this CPU's flags."""
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for path in sorted([*csrc.glob("*.cpp"), *csrc.glob("*.h")]):
+        data = path.read_bytes()
+        # length-prefixed, so moving text from one file to the next changes the key too
+        key.update(f"{path.name}:{len(data)}:".encode())
+        key.update(data)
     key.update(torch.__version__.encode())
     key.update(" ".join(_FLAGS).encode())
     key.update(_cpu_flags().encode())
-    name = key.hexdigest()[:16]
+    return key.hexdigest()[:16]
+
+
+def _build_dir() -> Path:
+    from engine.model_loader import default_cache_dir
+
+    name = build_key()
     for root in (default_cache_dir() / "kernels", Path(tempfile.gettempdir()) / "pagedserve"):
         try:
             (root / name).mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import AttentionMetadata
+from kernels.backend import AttentionBackend, AttentionMetadata
 from kernels.reference import write_kv_by_slot
 
 FA2_BLOCK_SIZE_MULTIPLE = 256
@@ -48,7 +48,7 @@ def check_block_size(block_size: int, fa_version: int) -> None:
         )
 
 
-class FlashAttentionBackend:
+class FlashAttentionBackend(AttentionBackend):
     name = "flash_attn"
     supports_cuda_graphs = True
 

@@ -1,4 +1,7 @@
-"""Pure-torch paged attention: the CPU path and the oracle other backends are tested against."""
+"""Pure-torch paged attention: the oracle every other backend is tested against.
+
+No kernels here: the CPU C++ kernels live behind kernels/cpu_backend.py, which builds on this.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +10,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import AttentionMetadata
-
-# Decode batches whose sequences share a prefix at least this long, this many of them, read it
-# once for all (the cascade kernel); below either the one-pass decode kernel was as fast.
-CASCADE_MIN_TOKENS = 128
-CASCADE_MIN_SEQS = 8
+from kernels.backend import AttentionBackend, AttentionMetadata
 
 
 def write_kv_by_slot(
@@ -179,29 +177,15 @@ def paged_decode_attention(
     return o.reshape(num_seqs, num_heads, head_dim)
 
 
-class TorchAttentionBackend:
-    """The reference; decoding sequences take the batched path (what CPU serving runs).
-
-    ops: the fused CPU kernels (kernels.cpu_ops); their paged decode kernel then replaces the
-    gather + SDPA of paged_decode_attention, and in bf16 where AMX is available their prefill
-    kernel replaces the gather + SDPA of every sequence with more than one new token, and their
-    write_kv the two index_copy_ of the new tokens' K and V.
-    """
+class TorchAttentionBackend(AttentionBackend):
+    """The reference backend: decoding sequences take the batched path, prefill sequences the
+    grouped SDPA of paged_attention_mixed. Subclasses swap in kernels for write_kv, decode and
+    prefill (kernels/cpu_backend.py)."""
 
     name = "torch"
 
-    def __init__(self, ops=None) -> None:
-        self.ops = ops
-        self._prefill_supported: dict[tuple[int, int], bool] = {}
-        self._cascade_supported: dict[tuple[int, int, int], bool] = {}
-        # the kernel's per-step arguments, built by the first layer and reused by the others
-        self._prefill_args: tuple | None = None
-
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        if self.ops is not None and k_cache.device.type == "cpu":
-            self.ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
-        else:
-            write_kv_by_slot(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_by_slot(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         shared = meta.decode_shared_blocks
@@ -215,68 +199,17 @@ class TorchAttentionBackend:
         return paged_attention_mixed(query, k_cache, v_cache, meta, scale, decode, prefill)
 
     def _prefill_kernel_applies(self, query, k_cache) -> bool:
-        """bf16 on CPU, query rows [T, H, D] with heads contiguous, shapes the kernel covers."""
-        if self.ops is None or query.device.type != "cpu" or query.dtype != torch.bfloat16:
-            return False
-        if k_cache.dtype != torch.bfloat16 or query.stride(1) != query.shape[2]:
-            return False
-        key = (query.shape[2], k_cache.shape[1])
-        if key not in self._prefill_supported:
-            self._prefill_supported[key] = bool(self.ops.amx_prefill_supported(*key))
-        return self._prefill_supported[key]
+        """Whether prefill() takes this batch's prefill sequences; the reference has none."""
+        return False
 
     def prefill(self, query, k_cache, v_cache, meta, seqs: list[int], starts, scale, out) -> None:
-        """All prefill sequences in one call of the AMX kernel, K/V read from the cache."""
-        cached = self._prefill_args
-        if cached is None or cached[0] is not meta or cached[1] != seqs:  # once per step
-            idx = torch.tensor(seqs, dtype=torch.long)
-            args = (
-                meta.block_table.index_select(0, idx),
-                torch.tensor([starts[i] for i in seqs], dtype=torch.int32),
-                torch.tensor([meta.query_lens_cpu[i] for i in seqs], dtype=torch.int32),
-                torch.tensor([meta.seq_lens_cpu[i] for i in seqs], dtype=torch.int32),
-            )
-            cached = self._prefill_args = (meta, list(seqs), args)
-        self.ops.paged_attention_prefill(out, query, k_cache, v_cache, *cached[2], scale)
+        raise NotImplementedError  # only where _prefill_kernel_applies
 
     def decode(
         self, query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale, shared_blocks=0
     ):
         """shared_blocks: leading entries of block_table common to every row (a shared prefix);
-        with enough of them and enough sequences the kernel reads that prefix once for all."""
-        if self.ops is None or query.device.type != "cpu":
-            return paged_decode_attention(
-                query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale
-            )
-        out = query.new_empty(query.shape)
-        plan = self.cascade_plan(
-            query.shape[1], query.dtype, k_cache, block_table, seq_lens, shared_blocks
-        )
-        if plan is not None:
-            self.ops.paged_attention_cascade(out, query, k_cache, v_cache, *plan, scale)
-            return out
-        self.ops.paged_attention_decode(out, query, k_cache, v_cache, block_table, seq_lens, scale)
-        return out
-
-    def cascade_plan(self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int):
-        """(prefix block ids, prefix length, suffix block table, suffix lengths) when the cascade
-        kernel takes this decode batch, else None: a shared prefix of CASCADE_MIN_TOKENS over
-        CASCADE_MIN_SEQS sequences, bf16 on AMX (below those the one-pass kernel was as fast or
-        faster: bench/README.md)."""
-        block_size = k_cache.shape[1]
-        if self.ops is None or shared_blocks * block_size < CASCADE_MIN_TOKENS:
-            return None
-        if block_table.shape[0] < CASCADE_MIN_SEQS or dtype != torch.bfloat16:
-            return None
-        if k_cache.dtype != torch.bfloat16:
-            return None
-        key = (k_cache.shape[3], block_size, num_heads // k_cache.shape[2])
-        if key not in self._cascade_supported:
-            self._cascade_supported[key] = bool(self.ops.cascade_supported(*key))
-        if not self._cascade_supported[key]:
-            return None
-        prefix_len = shared_blocks * block_size
-        return (
-            block_table[0, :shared_blocks], prefix_len, block_table[:, shared_blocks:],
-            seq_lens - prefix_len,
+        a cascade kernel may read them once, the reference reads each row's blocks."""
+        return paged_decode_attention(
+            query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale
         )

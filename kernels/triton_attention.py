@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import AttentionMetadata
+from kernels.backend import AttentionBackend, AttentionMetadata
 from kernels.reference import paged_attention_mixed
 
 
@@ -193,7 +193,7 @@ def _tile_tokens(group: int, head_dim: int) -> int:
     return max(16, min(64, triton.next_power_of_2(max(budget, 1))))
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 

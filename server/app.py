@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.kv_view import KVView
 from server.metrics import Metrics
 from server.playground import install_offline_docs, install_playground
@@ -25,7 +23,7 @@ from server.request_id import RequestIdMiddleware
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 from server.serving_engine import ServingContext
-from server.serving_errors import APIError, error_response
+from server.serving_errors import APIError, error_response, install_error_handlers
 from server.serving_tokenization import detokenize, tokenize
 from server.tokenizer_info import tokenizer_info
 
@@ -36,27 +34,29 @@ logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 
 
-def build_app(
-    engine: AsyncEngine,
-    tokenizer,
-    model_name: str,
-    metrics: Metrics,
-    kv_view: KVView | None = None,
-) -> FastAPI:
-    """kv_view: the engine's KV view, or None for no playground (`--disable-playground`)."""
+def build_app(engine: AsyncEngine, metrics: Metrics, kv_view: KVView | None = None) -> FastAPI:
+    """The app over the engine's facade (model name, tokenizer, limits all come from it).
+
+    kv_view: the engine's KV view for the playground, or None for none (--disable-playground).
+    """
     # FastAPI's own /docs and /redoc load their scripts from a CDN: ours are served locally.
     app = FastAPI(title="pagedserve", version=VERSION, docs_url=None, redoc_url=None)
-    app.state.engine, app.state.tokenizer, app.state.metrics = engine, tokenizer, metrics
-    ctx = ServingContext.build(engine, tokenizer, model_name)
+    app.state.engine, app.state.metrics = engine, metrics
+    ctx = ServingContext.build(engine)
     app.state.serving = ctx
-    _install_error_handlers(app)
+    install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
 
-    @app.get("/health")
     async def health() -> Response:
-        if not engine.is_alive:
+        try:
+            engine.check_health()
+        except EngineDeadError:
             return error_response(503, "engine is not running", "ServiceUnavailableError")
         return Response(status_code=200)
+
+    # /ping answers as /health does (vLLM has both, GET and POST).
+    app.add_api_route("/health", health, methods=["GET", "POST"])
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
 
     @app.get("/version")
     async def version() -> dict:
@@ -67,8 +67,8 @@ def build_app(
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card() -> ModelCard:
-        root = str(engine.engine.model_dir)
-        return ModelCard(id=model_name, root=root, max_model_len=ctx.max_model_len)
+        root = str(engine.model_dir)
+        return ModelCard(id=ctx.model_name, root=root, max_model_len=ctx.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -95,7 +95,7 @@ def build_app(
     async def detokenize_route(body: DetokenizeRequest):
         return detokenize(ctx, body)
 
-    info = tokenizer_info(tokenizer)
+    info = tokenizer_info(engine.tokenizer)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info_route() -> dict:
@@ -107,31 +107,3 @@ def build_app(
         install_playground(app, kv_view)
 
     return app
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError):
-        headers = {"Retry-After": "1"} if e.status == 503 else None
-        return error_response(e.status, e.message, e.type, e.param, headers, e.code)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError):
-        # Name the field and the rule; never echo the (possibly huge) input or server paths.
-        errors = e.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            return error_response(400, "request body is not valid JSON", "BadRequestError")
-        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return error_response(400, msg[:500], "BadRequestError", loc[0] if loc else None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException):
-        kind = "NotFoundError" if e.status_code == 404 else "BadRequestError"
-        return error_response(e.status_code, str(e.detail), kind)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception):
-        logger.exception("unhandled error")
-        return error_response(500, "internal server error", "InternalServerError")

@@ -155,12 +155,9 @@ def build_server(args: argparse.Namespace, state=None):
     """Loads the model and builds the app (on the loader thread); returns (engine, app).
 
     state: the ServerState whose draining flag ends the app's long-lived streams."""
-    from transformers import AutoTokenizer
-
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
     from server.app import build_app
-    from server.lifecycle import install_engine_error_handler
     from server.metrics import Metrics
 
     engine = LLMEngine(engine_config(args))
@@ -168,12 +165,10 @@ def build_server(args: argparse.Namespace, state=None):
     metrics = Metrics(engine.model_name)
     metrics.observe(engine.snapshot_stats())  # block gauges read true before the first step
     async_engine = AsyncEngine(engine, metrics.observe, args.max_num_queued_reqs)
-    tokenizer = AutoTokenizer.from_pretrained(engine.model_dir)  # own copy: engine thread decodes
     kv_view = None if args.disable_playground else async_engine.kv_view
-    app = build_app(async_engine, tokenizer, engine.model_name, metrics, kv_view)
+    app = build_app(async_engine, metrics, kv_view)
     if state is not None:
         app.state.is_draining = lambda: state.draining
-    install_engine_error_handler(app)
     async_engine.start()
     return async_engine, app
 

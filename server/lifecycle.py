@@ -20,7 +20,7 @@ from types import FrameType
 
 import uvicorn
 
-from server.middleware import ServerState, error_body, send_error
+from server.middleware import ServerState, send_error
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class SwitchApp:
             await self.app(scope, receive, send)
         elif scope["type"] == "http":
             msg = "the model is still loading"
-            await send_error(send, 503, msg, "ServiceUnavailableError", [(b"retry-after", b"5")])
+            await send_error(send, 503, msg, "ServiceUnavailableError")
 
 
 class DrainingServer(uvicorn.Server):
@@ -86,20 +86,6 @@ class Loader:
         except BaseException as e:  # noqa: BLE001 - reported by the supervisor
             logger.exception("loading failed")
             self.error = e
-
-
-def install_engine_error_handler(app) -> None:
-    """An engine failure after a response was chosen (shutdown, crash) is a 503, never a 500."""
-    from engine.async_engine import EngineDeadError
-
-    async def engine_dead(_request, e: EngineDeadError):
-        from fastapi.responses import Response
-
-        body = error_body(503, str(e), "ServiceUnavailableError")
-        headers = {"Retry-After": "5"}
-        return Response(body, status_code=503, media_type="application/json", headers=headers)
-
-    app.add_exception_handler(EngineDeadError, engine_dead)
 
 
 async def supervise(

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from server.auth import is_authorized, is_public
+from server.serving_errors import RETRY_AFTER_S, error_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -40,18 +41,18 @@ class ServerState:
         self.num_inflight = 0
 
 
-def error_body(status: int, message: str, type_: str) -> bytes:
-    error = {"message": message, "type": type_, "param": None, "code": status}
-    return json.dumps({"error": error}).encode()
-
-
-async def send_error(send, status: int, message: str, type_: str, headers=()) -> None:
-    body = error_body(status, message, type_)
+async def send_error(
+    send, status: int, message: str, type_: str, headers=(), code: str | None = None
+) -> None:
+    """An OpenAI error object straight onto the ASGI channel (no app behind it answered)."""
+    body = error_bytes(status, message, type_, code)
     all_headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         *headers,
     ]
+    if status == 503:
+        all_headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
     await send({"type": "http.response.start", "status": status, "headers": all_headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -70,15 +71,17 @@ class GuardMiddleware:
             return
         path = scope["path"]
         if self.state.draining and path != "/metrics":
-            retry = [(b"retry-after", b"5"), (b"connection", b"close")]
-            await send_error(send, 503, "server is shutting down", "ServiceUnavailableError", retry)
+            close = [(b"connection", b"close")]
+            await send_error(send, 503, "server is shutting down", "ServiceUnavailableError", close)
             return
         key = self.settings.api_key
         if key and not is_public(path, self.settings.protect_metrics):
             if not is_authorized(scope.get("headers", []), key):
                 challenge = [(b"www-authenticate", b"Bearer")]
                 msg = "Invalid or missing API key (Authorization: Bearer <key>)."
-                await send_error(send, 401, msg, "AuthenticationError", challenge)
+                await send_error(
+                    send, 401, msg, "AuthenticationError", challenge, code="invalid_api_key"
+                )
                 return
         self.state.num_inflight += 1
         try:
@@ -183,7 +186,7 @@ class _RequestRun:
             return
         tail = b""
         if self.is_stream:  # the stream's own shape for errors, then its usual terminator
-            tail = b"data: " + error_body(408, msg, "TimeoutError") + b"\n\ndata: [DONE]\n\n"
+            tail = b"data: " + error_bytes(408, msg, "TimeoutError") + b"\n\ndata: [DONE]\n\n"
         await self.send({"type": "http.response.body", "body": tail, "more_body": False})
 
 

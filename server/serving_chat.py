@@ -26,16 +26,14 @@ from server.serving_engine import (
     ChoiceRequest,
     ChoiceState,
     ServingContext,
-    check_choices,
-    engine_error,
+    make_requests,
     make_usage,
     merge_outputs,
     plan_choices,
-    resolve_max_tokens,
     sse,
     to_sampling_params,
 )
-from server.serving_errors import APIError, error_body
+from server.serving_errors import APIError, engine_error, error_body
 from server.serving_logprobs import chat_logprobs
 
 _TEXT_PART_TYPES = ("text", "input_text")
@@ -127,11 +125,10 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     prompt_ids = render_chat_prompt(
         ctx.tokenizer, body.messages, body.add_generation_prompt, body.add_special_tokens
     )
-    params = resolve_max_tokens(ctx, len(prompt_ids), params, "messages")
     request_id = f"chatcmpl-{current_request_id()}"
     # Engine ids stay unique even when a client reuses its X-Request-Id.
     choices = plan_choices(f"{request_id}-{uuid.uuid4().hex[:8]}", [prompt_ids], [params])
-    check_choices(ctx, choices)
+    make_requests(ctx, choices, "messages")
     formatters = [ChatChoiceFormatter(ctx, c, body) for c in choices]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -24,16 +24,14 @@ from server.serving_engine import (
     ChoiceRequest,
     ChoiceState,
     ServingContext,
-    check_choices,
-    engine_error,
+    make_requests,
     make_usage,
     merge_outputs,
     plan_choices,
-    resolve_max_tokens,
     sse,
     to_sampling_params,
 )
-from server.serving_errors import APIError, error_body
+from server.serving_errors import APIError, engine_error, error_body
 from server.serving_logprobs import CompletionLogprobsBuilder, merge_completion_logprobs
 
 
@@ -50,8 +48,7 @@ def tokenize_prompts(ctx: ServingContext, body: CompletionRequest) -> list[list[
             raise APIError(400, "prompt must not be empty", param="prompt")
         if isinstance(p, str):
             prompts.append(ctx.tokenizer.encode(p, add_special_tokens=body.add_special_tokens))
-        else:
-            ctx.check_token_ids(p, "prompt")
+        else:  # the engine's make_request checks the ids against the vocabulary
             prompts.append(list(p))
     if not all(prompts):
         raise APIError(400, "prompt must contain at least one token", param="prompt")
@@ -100,11 +97,11 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest):
     ctx.check_model(body.model)
     params = to_sampling_params(body)
     prompts = tokenize_prompts(ctx, body)
-    per_prompt = [resolve_max_tokens(ctx, len(p), params, "prompt") for p in prompts]
     request_id = f"cmpl-{current_request_id()}"
     # Engine ids stay unique even when a client reuses its X-Request-Id.
-    choices = plan_choices(f"{request_id}-{uuid.uuid4().hex[:8]}", prompts, per_prompt)
-    check_choices(ctx, choices)
+    base_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+    choices = plan_choices(base_id, prompts, [params] * len(prompts))
+    make_requests(ctx, choices, "prompt")
     echoes = _echo_texts(ctx, body, prompts)
     formatters = [CompletionChoiceFormatter(ctx, c, echoes[c.prompt_idx], body) for c in choices]
     if body.stream:

@@ -1,6 +1,7 @@
-"""What both OpenAI endpoints share: limits, fan-out of n choices into engine requests, merging.
+"""What both OpenAI endpoints share: fan-out of n choices into engine requests, merging.
 
-Every refusal happens in `start_choices`, before a response (or an SSE header) exists.
+Every refusal happens in `make_requests` (the engine's one validation, then the queue bound),
+before a response (or an SSE header) exists.
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
-from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
+from engine.request import Request
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from server.protocol import PromptTokensDetails, UsageInfo
-from server.serving_errors import APIError
+from server.serving_errors import APIError, engine_error
 from server.serving_logprobs import TokenStrings
 
 _INT64_MAX = 2**63 - 1
@@ -22,7 +24,7 @@ _DONE = object()
 
 @dataclass
 class ServingContext:
-    engine: AsyncEngine
+    engine: AsyncEngine  # only its facade: model_name, tokenizer, make_request, generate, ...
     tokenizer: object
     model_name: str
     max_model_len: int
@@ -30,13 +32,14 @@ class ServingContext:
     token_strings: TokenStrings
 
     @classmethod
-    def build(cls, engine: AsyncEngine, tokenizer, model_name: str) -> ServingContext:
+    def build(cls, engine: AsyncEngine) -> ServingContext:
+        tokenizer = engine.tokenizer
         return cls(
             engine=engine,
             tokenizer=tokenizer,
-            model_name=model_name,
-            max_model_len=engine.engine.config.max_model_len,
-            vocab_size=engine.engine.vocab_size,
+            model_name=engine.model_name,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
             token_strings=TokenStrings(tokenizer),
         )
 
@@ -46,6 +49,7 @@ class ServingContext:
             raise APIError(404, msg, "NotFoundError", "model", "model_not_found")
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """For /detokenize; generation requests are checked by the engine's make_request."""
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             msg = f"token id {bad} is out of the vocabulary (size {self.vocab_size})"
@@ -60,30 +64,6 @@ def to_sampling_params(body, param_fallback: str | None = None) -> SamplingParam
         raise APIError(400, str(e), param=e.param) from e
     except ValueError as e:
         raise APIError(400, str(e), param=param_fallback) from e
-
-
-def resolve_max_tokens(
-    ctx: ServingContext, num_prompt_tokens: int, params: SamplingParams, param: str
-) -> SamplingParams:
-    """Checks prompt + max_tokens against max_model_len (vLLM's wording); fills a None limit."""
-    if params.max_tokens is None:
-        if num_prompt_tokens >= ctx.max_model_len:
-            msg = (
-                f"This model's maximum context length is {ctx.max_model_len} tokens. However, "
-                f"your request has {num_prompt_tokens} input tokens. Please reduce the length of "
-                "the input messages."
-            )
-            raise APIError(400, msg, param=param, code="context_length_exceeded")
-        return replace(params, max_tokens=ctx.max_model_len - num_prompt_tokens)
-    total = num_prompt_tokens + params.max_tokens
-    if total > ctx.max_model_len:
-        msg = (
-            f"This model's maximum context length is {ctx.max_model_len} tokens. However, you "
-            f"requested {total} tokens ({num_prompt_tokens} in the messages, {params.max_tokens} "
-            "in the completion). Please reduce the length of the messages or completion."
-        )
-        raise APIError(400, msg, param=param, code="context_length_exceeded")
-    return params
 
 
 def child_params(params: SamplingParams, i: int) -> SamplingParams:
@@ -103,6 +83,7 @@ class ChoiceRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    request: Request | None = None  # the engine's, built once by make_requests
 
 
 @dataclass
@@ -136,19 +117,24 @@ def plan_choices(
     ]
 
 
-def check_choices(ctx: ServingContext, choices: list[ChoiceRequest]) -> None:
-    """Everything the engine would refuse, refused now (400 / 503), before any output."""
-    max_queued = getattr(ctx.engine, "max_num_queued_reqs", None)
-    if max_queued is not None and ctx.engine.num_waiting + len(choices) > max_queued:
-        msg = f"the server's waiting queue is full ({max_queued} requests)"
-        raise APIError(503, msg, "ServiceUnavailableError")
+def make_requests(ctx: ServingContext, choices: list[ChoiceRequest], prompt_param: str) -> None:
+    """Every refusal (400 / 503), once per choice, before any output: the engine's Requests.
+
+    The engine names prompt problems (vocabulary, context length) "prompt"; the endpoint's
+    field for them is `prompt_param` ("messages" for chat).
+    """
     for c in choices:
         try:
-            ctx.engine.check_request(c.request_id, c.prompt_ids, c.params)
-        except (QueueFullError, EngineDeadError) as e:
-            raise APIError(503, str(e), "ServiceUnavailableError") from e
-        except ValueError as e:
-            raise APIError(400, str(e), param=getattr(e, "param", None)) from e
+            c.request = ctx.engine.make_request(c.request_id, c.prompt_ids, c.params)
+        except Exception as e:  # noqa: BLE001 - mapped to 400 / 503 by engine_error
+            err = engine_error(e)
+            if err.param == "prompt":
+                err.param = prompt_param
+            raise err from e
+    try:
+        ctx.engine.check_queue(len(choices))
+    except Exception as e:  # noqa: BLE001
+        raise engine_error(e) from e
 
 
 async def merge_outputs(
@@ -162,7 +148,7 @@ async def merge_outputs(
 
     async def pump(choice: ChoiceRequest) -> None:
         try:
-            stream = ctx.engine.generate(choice.request_id, choice.prompt_ids, choice.params)
+            stream = ctx.engine.generate(choice.request)
             async for out in stream:
                 ready.put_nowait((choice.index, out))
         except Exception as e:  # noqa: BLE001 - the consumer re-raises it in the request task
@@ -191,14 +177,6 @@ async def merge_outputs(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def engine_error(e: Exception) -> APIError:
-    if isinstance(e, (QueueFullError, EngineDeadError)):
-        return APIError(503, str(e), "ServiceUnavailableError")
-    if isinstance(e, ValueError):
-        return APIError(400, str(e))
-    return APIError(500, f"internal error: {e!r}", "InternalServerError")
 
 
 def make_usage(

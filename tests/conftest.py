@@ -425,3 +425,90 @@ def cycle(cycle_server):
 def wire(obj) -> dict:
     """An openai-client object as it came over the wire, for schema validation."""
     return obj.model_dump(mode="json", exclude_unset=True)
+
+
+# ---- a scripted AsyncEngine facade: the server's OpenAI shapes without a model -------------------
+SCRIPTED_TEXT = "hé🎉!"  # 1 + 2 + 4 + 1 bytes: characters split across byte tokens
+
+
+class ScriptedEngine:
+    """Stands in for AsyncEngine's facade: each request generates SCRIPTED_TEXT's bytes, then stops.
+
+    make_request is the engine's own validation (LLMEngine.make_request) over a model-less
+    scheduler, so what the server sends is checked and filled in exactly as in production.
+    `is_alive = False` makes it dead; `queue_full = True` makes check_queue refuse.
+    """
+
+    def __init__(self, tokenizer, max_model_len: int = 64) -> None:
+        from types import SimpleNamespace
+
+        self.tokenizer = tokenizer
+        self.model_name, self.model_dir = "fake", Path("m")
+        self.max_model_len, self.vocab_size = max_model_len, len(tokenizer)
+        self.is_alive, self.queue_full = True, False
+        self.requests: list[tuple[str, list[int], object]] = []
+        self.output_ids = tokenizer.encode(SCRIPTED_TEXT, add_special_tokens=False)
+        self._validator = SimpleNamespace(
+            vocab_size=self.vocab_size,
+            eos_token_id=None,
+            config=SimpleNamespace(max_model_len=max_model_len),
+            scheduler=make_scheduler(max_model_len=max_model_len),
+        )
+
+    def check_health(self) -> None:
+        from engine.async_engine import EngineDeadError
+
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+
+    def make_request(self, request_id, prompt_ids, params):
+        from engine.llm_engine import LLMEngine
+
+        self.check_health()
+        return LLMEngine.make_request(self._validator, request_id, prompt_ids, params)
+
+    def check_queue(self, num_new: int) -> None:
+        from engine.async_engine import QueueFullError
+
+        if self.queue_full:
+            raise QueueFullError("the server's waiting queue is full (0 requests)")
+
+    def logprobs(self, token_id: int, k: int):
+        from engine.outputs import TokenLogprobs
+
+        alternatives = [(token_id, -0.25)] + [(t, -1.0 - t / 100) for t in (10, 11, 12, 13)]
+        return TokenLogprobs(token_id=token_id, logprob=-0.25, rank=1, top=alternatives[:k])
+
+    async def generate(self, request):
+        from engine.detokenizer import IncrementalDetokenizer
+        from engine.outputs import CompletionOutput, RequestOutput
+
+        request_id, prompt_ids = request.request_id, request.prompt_token_ids
+        params = request.sampling_params
+        self.requests.append((request_id, prompt_ids, params))
+        ids = self.output_ids[: params.max_tokens]
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        prompt_lps = None
+        if params.prompt_logprobs is not None:
+            k = params.prompt_logprobs
+            prompt_lps = [None] + [self.logprobs(t, k) for t in prompt_ids[1:]]
+        for i, token_id in enumerate(ids):
+            last = i == len(ids) - 1
+            reason = ("stop" if len(ids) == len(self.output_ids) else "length") if last else None
+            lps = None if params.logprobs is None else [self.logprobs(token_id, params.logprobs)]
+            completion = CompletionOutput(
+                index=0,
+                text=detok.step([token_id]),
+                token_ids=[token_id],
+                finish_reason=reason,
+                stop_reason="!" if reason == "stop" else None,
+                logprobs=lps,
+            )
+            yield RequestOutput(
+                request_id=request_id,
+                prompt_token_ids=prompt_ids,
+                outputs=[completion],
+                finished=last,
+                num_cached_tokens=2,
+                prompt_logprobs=prompt_lps if i == 0 else None,
+            )

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp) against the torch ops they replace.
+"""The fused CPU kernels (kernels/csrc/) against the torch ops they replace, and their build.
 
 Each op is compared with its oracle: RMSNorm._norm, apply_rope, F.silu, the paged attention
 references in kernels/reference.py and F.linear. Outputs are pre-filled with NaN so an element a
@@ -15,15 +15,20 @@ test that uses them, unless PAGEDSERVE_CPU_KERNELS=0 turns them off (then they a
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import fnmatch
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.llama import RMSNorm, RotaryEmbedding, apply_rope
+from engine.layers import RMSNorm, RotaryEmbedding, apply_rope
 from kernels.backend import AttentionMetadata
+from kernels.cpu_backend import CpuAttentionBackend
 from kernels.cpu_linear import (
     AMX_MAX_ROWS,
     AMX_NARROW_MAX_OUT,
@@ -31,7 +36,7 @@ from kernels.cpu_linear import (
     can_pack,
     pack_linears,
 )
-from kernels.cpu_ops import cpu_kernels_enabled, load_cpu_ops
+from kernels.cpu_ops import CSRC, build_key, cpu_kernels_enabled, load_cpu_ops, sources
 from kernels.reference import (
     TorchAttentionBackend,
     gather_kv,
@@ -52,7 +57,7 @@ def ops():
         pytest.skip("PAGEDSERVE_CPU_KERNELS=0: the CPU kernels are turned off")
     loaded = load_cpu_ops()
     assert loaded is not None, (
-        "kernels/csrc/cpu_ops.cpp did not build (see the warning load_cpu_ops logged); "
+        "the kernels in kernels/csrc/ did not build (see the warning load_cpu_ops logged); "
         "set PAGEDSERVE_CPU_KERNELS=0 only on a machine without a C++ compiler"
     )
     return loaded
@@ -252,7 +257,7 @@ def test_write_kv_refuses_bad_arguments(ops):
 
 def test_torch_backend_writes_kv_through_the_kernel(ops):
     calls: list[str] = []
-    backend = TorchAttentionBackend(_spy(ops, calls))
+    backend = CpuAttentionBackend(_spy(ops, calls))
     key, value = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
     k_cache, v_cache = torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64)
     slots = torch.tensor([3, 17, 18, 40, 63])
@@ -412,7 +417,7 @@ def test_paged_decode_float16_takes_the_portable_path(ops, head_dim):
 
 
 def test_torch_backend_routes_decode_through_the_kernel(ops):
-    """TorchAttentionBackend(ops) calls the kernel for decode batches and matches ops=None."""
+    """CpuAttentionBackend(ops) calls the kernel for decode batches and matches the reference."""
     seq_lens = [5, 16, 17, 33]
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache, block_table = make_paged(16, 2, 64, seq_lens, torch.float32, gen)
@@ -426,8 +431,8 @@ def test_torch_backend_routes_decode_through_the_kernel(ops):
             calls.append(args[1].shape)
             ops.paged_attention_decode(*args)
 
-    got = TorchAttentionBackend(Spy()).forward(query, k_cache, v_cache, meta, 0.125)
-    want = TorchAttentionBackend(None).forward(query, k_cache, v_cache, meta, 0.125)
+    got = CpuAttentionBackend(Spy()).forward(query, k_cache, v_cache, meta, 0.125)
+    want = TorchAttentionBackend().forward(query, k_cache, v_cache, meta, 0.125)
     assert calls == [query.shape]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -581,7 +586,7 @@ def _load(model_dir, dtype, ops, monkeypatch):
 
     monkeypatch.setattr(model_runner, "load_cpu_ops", lambda: ops)
     hf_config = AutoConfig.from_pretrained(model_dir)
-    backend = TorchAttentionBackend(ops)
+    backend = TorchAttentionBackend() if ops is None else CpuAttentionBackend(ops)
     return model_runner.load_model(model_dir, hf_config, backend, dtype, torch.device("cpu"))
 
 
@@ -602,11 +607,13 @@ class PagedRun:
         perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
         self.table = perm[: num_seqs * per_seq].view(num_seqs, per_seq).to(torch.int32)
         self.computed = [0] * num_seqs
+        self.fused_steps = 0  # steps the fused decode ran
 
     @torch.inference_mode()
-    def step(self, new_tokens: list[list[int]], shared_blocks: int = 0) -> torch.Tensor:
+    def step(self, new_tokens: list[list[int]], shared_blocks: int = 0, fused=None) -> torch.Tensor:
         """Appends new_tokens[i] to sequence i (none: not scheduled); logits of each last token.
-        shared_blocks: leading block-table entries every decoding row has in common."""
+        shared_blocks: leading block-table entries every decoding row has in common.
+        fused: an engine.fused_decode.FusedDecode that takes the steps it can run."""
         bs, ids, positions, slots, starts = self.block_size, [], [], [], [0]
         batch = [i for i, toks in enumerate(new_tokens) if toks]
         for i in batch:
@@ -630,7 +637,12 @@ class PagedRun:
             max_seq_len=max(seq_lens),
             decode_shared_blocks=shared_blocks,
         )
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.kv)
+        ids_t, pos_t = torch.tensor(ids), torch.tensor(positions)
+        if fused is not None and fused.can_run(meta):
+            self.fused_steps += 1
+            hidden = fused.run(ids_t, pos_t, meta, self.kv)
+        else:
+            hidden = self.model(ids_t, pos_t, meta, self.kv)
         return self.model.compute_logits(hidden[[s - 1 for s in starts[1:]]])
 
 
@@ -639,11 +651,11 @@ def test_model_logits_with_kernels_match_torch_ops(ops, kernel_model_dir, monkey
     """Prefill, decode steps (both AVX-512 decode paths) and a mixed step, kernels on vs off."""
     on = _load(kernel_model_dir, dtype, ops, monkeypatch)
     off = _load(kernel_model_dir, dtype, None, monkeypatch)
-    assert on.ops is ops and off.ops is None
+    assert on.model.norm.ops is ops and off.model.norm.ops is None
     if dtype == torch.bfloat16:  # packed linears either way; the AMX kernel only with ops
-        assert isinstance(on.model.layers[0].mlp.down_proj, PackedLinear)
-        assert (on.model.layers[0].mlp.down_proj.ops is not None) == _amx_available()
-        assert off.model.layers[0].mlp.down_proj.ops is None
+        assert isinstance(on.model.layers[0].mlp.down_proj.packed, PackedLinear)
+        assert (on.model.layers[0].mlp.down_proj.packed.ops is not None) == _amx_available()
+        assert off.model.layers[0].mlp.down_proj.packed.ops is None
     gen = torch.Generator().manual_seed(7)
     prompt_lens = [3, 16, 21, 40, 9]  # five sequences: the per-sequence decode path
     tokens = lambda n: torch.randint(3, 259, (n,), generator=gen).tolist()
@@ -681,8 +693,10 @@ def test_llm_greedy_tokens_kernels_on_equal_off(kernel_model_dir, ops, monkeypat
         monkeypatch.setattr(cpu_ops, "load_cpu_ops", lambda loaded=loaded: loaded)
         with num_threads(THREADS):
             llm = LLM(str(kernel_model_dir), dtype="float32")
-            assert llm.engine.runner.model.ops is loaded
-            assert llm.engine.runner.backend.ops is loaded
+            assert llm.engine.runner.model.model.norm.ops is loaded
+            backend = llm.engine.runner.backend
+            assert isinstance(backend, CpuAttentionBackend) == (loaded is not None)
+            assert loaded is None or backend.ops is loaded
             res = llm.generate(prompts, params, use_tqdm=False)
         outs[name] = [o.outputs[0].token_ids for o in res]
     assert all(len(t) == 6 for t in outs["on"])
@@ -690,8 +704,6 @@ def test_llm_greedy_tokens_kernels_on_equal_off(kernel_model_dir, ops, monkeypat
 
 
 def test_rope_frequencies_stay_float32_when_the_model_is_cast():
-    from engine.models.llama import RotaryEmbedding
-
     rope = RotaryEmbedding(64, 10000.0)
     want = rope.inv_freq.clone()
     rope = rope.to(torch.bfloat16)
@@ -823,13 +835,13 @@ def test_torch_backend_routes_bf16_prefill_through_the_kernel(ops):
             fn = getattr(ops, name)
             return lambda *args: (calls.append(name), fn(*args))[1]
 
-    backend = TorchAttentionBackend(Spy())
+    backend = CpuAttentionBackend(Spy())
     for q_lens in ([1, 20, 1, 37], [1, 20, 1, 37], [12, 1, 5, 1]):  # layer 1, layer 2, next step
         meta = varlen_meta(q_lens, kv_lens, block_table)
         query = torch.randn(sum(q_lens), 9, 64, generator=gen).bfloat16()
         calls.clear()
         got = backend.forward(query, k_cache, v_cache, meta, 0.125)
-        want = TorchAttentionBackend(None).forward(query, k_cache, v_cache, meta, 0.125)
+        want = TorchAttentionBackend().forward(query, k_cache, v_cache, meta, 0.125)
         assert calls.count("paged_attention_prefill") == 1
         assert calls.count("paged_attention_decode") == 1
         torch.testing.assert_close(got.float(), want.float(), rtol=ULP[torch.bfloat16], atol=8e-3)
@@ -933,10 +945,10 @@ def test_torch_backend_routes_shared_prefix_decodes_through_the_cascade(ops):
     """Decoding sequences with decode_shared_blocks set go to the cascade kernel (alone, or
     beside prefills in a mixed batch) once there are CASCADE_MIN_SEQS of them sharing at least
     CASCADE_MIN_TOKENS; the result matches the kernel-free backend within bf16 rounding."""
-    import kernels.reference as reference
+    import kernels.cpu_backend as cpu_backend
 
-    n_seq, bs = reference.CASCADE_MIN_SEQS, 16
-    shared = reference.CASCADE_MIN_TOKENS // bs
+    n_seq, bs = cpu_backend.CASCADE_MIN_SEQS, 16
+    shared = cpu_backend.CASCADE_MIN_TOKENS // bs
     case = (bs, 9, 3, 64, shared * bs, [3 + 5 * i for i in range(n_seq + 1)])
     k_cache, v_cache, prefix, suffix_table, _ = make_cascade(case, torch.Generator().manual_seed(8))
     k_cache, v_cache = k_cache.nan_to_num(0), v_cache.nan_to_num(0)
@@ -944,7 +956,7 @@ def test_torch_backend_routes_shared_prefix_decodes_through_the_cascade(ops):
     kv_lens = [shared * bs + n for n in case[5]]
     gen = torch.Generator().manual_seed(9)
     calls = []
-    backend = TorchAttentionBackend(_spy(ops, calls))
+    backend = CpuAttentionBackend(_spy(ops, calls))
     cascade, decode, prefill = (f"paged_attention_{k}" for k in ("cascade", "decode", "prefill"))
     runs = [  # (query lengths, shared blocks, expected kernel calls)
         ([1] * (n_seq + 1), shared, [cascade]),
@@ -958,7 +970,7 @@ def test_torch_backend_routes_shared_prefix_decodes_through_the_cascade(ops):
         query = torch.randn(sum(q_lens), 9, 64, generator=gen).bfloat16()
         calls.clear()
         got = backend.forward(query, k_cache, v_cache, meta, 0.125)
-        want = TorchAttentionBackend(None).forward(query, k_cache, v_cache, meta, 0.125)
+        want = TorchAttentionBackend().forward(query, k_cache, v_cache, meta, 0.125)
         assert [c for c in calls if c.startswith("paged_attention")] == expected
         torch.testing.assert_close(got.float(), want.float(), rtol=ULP[torch.bfloat16], atol=8e-3)
 
@@ -972,12 +984,11 @@ def test_llm_shared_prefix_decodes_take_the_cascade_and_keep_greedy_tokens(
     from conftest import make_prompts
 
     import engine.model_runner as model_runner
-    import engine.models.llama as llama
+    import kernels.cpu_backend as cpu_backend
     import kernels.cpu_ops as cpu_ops
-    import kernels.reference as reference
     from engine import LLM, SamplingParams
 
-    monkeypatch.setattr(llama, "FUSED_DECODE_MAX_ROWS", 0)  # layer by layer: the spy sees it
+    monkeypatch.setattr(cpu_backend, "FUSED_DECODE_MAX_ROWS", 0)  # layer by layer: spy sees it
     prefix = make_prompts(1, seed=11, min_len=160, max_len=160)[0]
     prompts = [prefix + tail for tail in make_prompts(10, seed=12, max_len=20)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -986,8 +997,8 @@ def test_llm_shared_prefix_decodes_take_the_cascade_and_keep_greedy_tokens(
     monkeypatch.setattr(model_runner, "load_cpu_ops", lambda: spy)
     monkeypatch.setattr(cpu_ops, "load_cpu_ops", lambda: spy)
     outs = {}
-    for name, min_tokens in (("on", reference.CASCADE_MIN_TOKENS), ("off", 10**9)):
-        monkeypatch.setattr(reference, "CASCADE_MIN_TOKENS", min_tokens)
+    for name, min_tokens in (("on", cpu_backend.CASCADE_MIN_TOKENS), ("off", 10**9)):
+        monkeypatch.setattr(cpu_backend, "CASCADE_MIN_TOKENS", min_tokens)
         calls.clear()
         with num_threads(THREADS):
             llm = LLM(str(kernel_model_dir), dtype="bfloat16")
@@ -1010,16 +1021,20 @@ def test_llm_shared_prefix_decodes_take_the_cascade_and_keep_greedy_tokens(
 def test_fused_decode_step_is_bit_identical_to_the_layer_by_layer_path(
     ops, kernel_model_dir, monkeypatch, shared
 ):
-    """ops.decode_layers calls the kernels the modules call, in the same order: same logits and
-    same K/V caches to the bit, with the decode kernel and with the cascade over a shared prefix
-    (10 sequences whose first 9 blocks are the same 144 tokens)."""
+    """ops.decode_layers (FusedDecode) calls the kernels the layers call, in the same order:
+    same logits and same K/V caches to the bit, with the decode kernel and with the cascade over
+    a shared prefix (10 sequences whose first 9 blocks are the same 144 tokens)."""
+    from engine.fused_decode import FusedDecode
+
     model = _load(kernel_model_dir, torch.bfloat16, ops, monkeypatch)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():  # norm weights load as ones: make each layer's two norms differ
         for m in model.modules():
             if isinstance(m, RMSNorm):
                 m.weight.copy_(torch.rand(m.weight.shape, generator=gen) + 0.5)
-    assert model._fused_decode_weights() is not None, "the fused path does not apply"
+    backend = model.model.layers[0].self_attn.attn.backend
+    fused = FusedDecode.build(model, backend)
+    assert fused is not None, "the fused path does not apply"
     tokens = lambda n: torch.randint(3, 259, (n,), generator=gen).tolist()
     num_seqs, prefix_blocks = 10, 9
     prefix = tokens(prefix_blocks * 16) if shared else []
@@ -1031,7 +1046,6 @@ def test_fused_decode_step_is_bit_identical_to_the_layer_by_layer_path(
             run.table[:, :prefix_blocks] = run.table[0, :prefix_blocks]
     shared_blocks = prefix_blocks if shared else 0
     plans = []
-    backend = model.model.layers[0].self_attn.backend
     real_plan = backend.cascade_plan
 
     def plan_spy(*args):
@@ -1043,13 +1057,12 @@ def test_fused_decode_step_is_bit_identical_to_the_layer_by_layer_path(
     with num_threads(THREADS):
         for i, step in enumerate(steps):
             outs = []
-            for run, fused in zip(runs, (True, False)):
-                model._fused_weights = None if fused else []  # [] turns the fused path off
-                outs.append(run.step(step, shared_blocks if i else 0))
+            for run, step_fused in zip(runs, (fused, None)):  # None: layer by layer
+                outs.append(run.step(step, shared_blocks if i else 0, step_fused))
             assert torch.equal(outs[0], outs[1]), f"step {i}: logits differ"
             for (k0, v0), (k1, v1) in zip(runs[0].kv, runs[1].kv):
                 assert torch.equal(k0, k1) and torch.equal(v0, v1), f"step {i}: caches differ"
-    model._fused_weights = None
+    assert runs[0].fused_steps == len(steps) - 1 and runs[1].fused_steps == 0
     assert plans and all(p == shared for p in plans), "cascade taken where it should not be"
 
 
@@ -1062,7 +1075,8 @@ def test_llm_decode_steps_run_fused_with_the_tokens_of_the_layer_by_layer_path(
     from conftest import make_prompts
 
     import engine.model_runner as model_runner
-    import engine.models.llama as llama
+    import kernels.cpu_backend as cpu_backend
+    import kernels.cpu_ops as cpu_ops
     from engine import LLM, SamplingParams
 
     prefix = make_prompts(1, seed=21, min_len=160, max_len=160)[0]
@@ -1071,9 +1085,10 @@ def test_llm_decode_steps_run_fused_with_the_tokens_of_the_layer_by_layer_path(
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     calls = []
     monkeypatch.setattr(model_runner, "load_cpu_ops", lambda: _spy(ops, calls))
+    monkeypatch.setattr(cpu_ops, "load_cpu_ops", lambda: _spy(ops, calls))
     outs = {}
-    for name, max_rows in (("fused", llama.FUSED_DECODE_MAX_ROWS), ("layers", 0)):
-        monkeypatch.setattr(llama, "FUSED_DECODE_MAX_ROWS", max_rows)
+    for name, max_rows in (("fused", cpu_backend.FUSED_DECODE_MAX_ROWS), ("layers", 0)):
+        monkeypatch.setattr(cpu_backend, "FUSED_DECODE_MAX_ROWS", max_rows)
         calls.clear()
         with num_threads(THREADS):
             llm = LLM(str(kernel_model_dir), dtype="bfloat16")
@@ -1104,3 +1119,52 @@ def test_argmax_rows_matches_torch_argmax(ops, vocab):
     got = ops.argmax_rows(x)
     assert got.dtype == torch.int64
     assert torch.equal(got, x.argmax(dim=-1))
+
+
+def test_build_key_changes_with_every_source_and_header(tmp_path):
+    """Editing any one .cpp or .h of kernels/csrc/ moves the build to a new directory (a rebuild),
+    and so does adding a file; a copy of the folder hashes like the folder."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(CSRC, csrc)
+    files = sorted([*csrc.glob("*.cpp"), *csrc.glob("*.h")])
+    assert {path.suffix for path in files} == {".cpp", ".h"}
+    base = build_key(csrc)
+    assert base == build_key(CSRC)
+    keys = {base}
+    for path in files:
+        text = path.read_bytes()
+        path.write_bytes(text + b"\n// edited\n")
+        keys.add(build_key(csrc))
+        path.write_bytes(text)
+        assert build_key(csrc) == base
+    assert len(keys) == len(files) + 1, "some file's edit left the build key unchanged"
+    (csrc / "new_family.cpp").write_text("// a kernel family added later\n")
+    assert build_key(csrc) not in keys
+
+
+def test_build_compiles_every_source():
+    """Each family's .cpp is a translation unit of the extension, the registration file too."""
+    names = [path.name for path in sources()]
+    assert names == sorted(path.name for path in CSRC.glob("*.cpp"))
+    assert "registration.cpp" in names and len(names) > 1
+
+
+def _package_data(package: str) -> list[str]:
+    """The `package = [...]` line of pyproject's [tool.setuptools.package-data] (no tomllib on
+    Python 3.10)."""
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    section = text.split("[tool.setuptools.package-data]\n", 1)[1].split("\n[", 1)[0]
+    for line in section.splitlines():
+        name, _, value = line.partition("=")
+        if name.strip() == package:
+            return ast.literal_eval(value.split("#", 1)[0].strip())
+    raise AssertionError(f"no package-data for {package!r} in pyproject.toml")
+
+
+def test_package_ships_every_source_and_header():
+    """pyproject's package-data covers every file the build reads, headers included."""
+    patterns = _package_data("kernels")
+    needed = [f"csrc/{path.name}" for path in [*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]]
+    assert any(name.endswith(".h") for name in needed)
+    missing = [name for name in needed if not any(fnmatch.fnmatch(name, p) for p in patterns)]
+    assert not missing, f"not in [tool.setuptools.package-data] kernels: {missing}"

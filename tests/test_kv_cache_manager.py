@@ -25,11 +25,11 @@ def test_allocate_on_demand_and_free():
     req = make_request("a", 10)
     assert len(kv.allocate_slots(req, 10)) == 3  # ceil(10 / 4)
     req.num_computed_tokens = 10
-    req.append_output_token(1)
-    req.append_output_token(2)  # 12 tokens: still 3 blocks
+    req.all_token_ids.append(1)
+    req.all_token_ids.append(2)  # 12 tokens: still 3 blocks
     assert kv.allocate_slots(req, 2) == []
     req.num_computed_tokens = 12
-    req.append_output_token(3)
+    req.all_token_ids.append(3)
     assert len(kv.allocate_slots(req, 1)) == 1
     req.status = RequestStatus.FINISHED_STOPPED
     kv.free(req)
@@ -265,7 +265,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         """Prefill the next chunk, or decode one more token; preempt it if the pool is short."""
         req = data.draw(st.sampled_from(self.running))
         if req.num_computed_tokens == req.num_tokens:
-            req.append_output_token(token)
+            req.all_token_ids.append(token)
         num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
         if not self._allocate(req, num_new, [], 0):
             self._preempt(req)

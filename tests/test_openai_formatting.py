@@ -1,75 +1,23 @@
 """server/serving_* on hand-built engine outputs: the OpenAI shapes, proven without the engine.
 
-A scripted AsyncEngine stand-in yields RequestOutputs with logprobs, prompt logprobs and stop
-reasons exactly as the engine contract describes them; the official openai client talks to the
-app in-process through Starlette's TestClient.
+A scripted AsyncEngine facade (conftest.ScriptedEngine) yields RequestOutputs with logprobs,
+prompt logprobs and stop reasons exactly as the engine contract describes them; the official
+openai client talks to the app in-process through Starlette's TestClient.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from types import SimpleNamespace
 
 import openai
 import pytest
-from conftest import build_byte_tokenizer, openai_schema_validator
+from conftest import SCRIPTED_TEXT, ScriptedEngine, build_byte_tokenizer, openai_schema_validator
 from fastapi.testclient import TestClient
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from server.app import build_app
 from server.metrics import Metrics
 
-OUTPUT_TEXT = "hé🎉!"  # 1 + 2 + 4 + 1 bytes: characters split across byte tokens
-
-
-class ScriptedEngine:
-    """Stands in for AsyncEngine: every request generates OUTPUT_TEXT's bytes, then stops."""
-
-    def __init__(self, tokenizer, max_model_len: int = 64) -> None:
-        self.tokenizer = tokenizer
-        cfg = SimpleNamespace(max_model_len=max_model_len)
-        self.engine = SimpleNamespace(config=cfg, vocab_size=len(tokenizer), model_dir=Path("m"))
-        self.is_alive = True
-        self.requests: list[tuple[str, list[int], object]] = []
-        self.output_ids = tokenizer.encode(OUTPUT_TEXT, add_special_tokens=False)
-
-    def check_request(self, request_id, prompt_ids, params) -> None:
-        pass
-
-    def logprobs(self, token_id: int, k: int) -> TokenLogprobs:
-        alternatives = [(token_id, -0.25)] + [(t, -1.0 - t / 100) for t in (10, 11, 12, 13)]
-        return TokenLogprobs(token_id=token_id, logprob=-0.25, rank=1, top=alternatives[:k])
-
-    async def generate(self, request_id, prompt_ids, params):
-        self.requests.append((request_id, prompt_ids, params))
-        ids = self.output_ids[: params.max_tokens]
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
-        prompt_lps = None
-        if params.prompt_logprobs is not None:
-            k = params.prompt_logprobs
-            prompt_lps = [None] + [self.logprobs(t, k) for t in prompt_ids[1:]]
-        for i, token_id in enumerate(ids):
-            last = i == len(ids) - 1
-            reason = ("stop" if len(ids) == len(self.output_ids) else "length") if last else None
-            lps = None if params.logprobs is None else [self.logprobs(token_id, params.logprobs)]
-            completion = CompletionOutput(
-                index=0,
-                text=detok.step([token_id]),
-                token_ids=[token_id],
-                finish_reason=reason,
-                stop_reason="!" if reason == "stop" else None,
-                logprobs=lps,
-            )
-            yield RequestOutput(
-                request_id=request_id,
-                prompt_token_ids=prompt_ids,
-                outputs=[completion],
-                finished=last,
-                num_cached_tokens=2,
-                prompt_logprobs=prompt_lps if i == 0 else None,
-            )
+OUTPUT_TEXT = SCRIPTED_TEXT
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +32,7 @@ def scripted(tokenizer):
 
 @pytest.fixture()
 def client(scripted, tokenizer):
-    app = build_app(scripted, tokenizer, "fake", Metrics("fake"))
+    app = build_app(scripted, Metrics("fake"))
     http = TestClient(app, raise_server_exceptions=False)
     return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
 
@@ -227,7 +175,7 @@ def test_chat_stream_role_first_and_one_finish_reason(client):
 
 
 def test_chat_usage_null_in_chunks_only_with_include_usage(scripted, tokenizer):
-    app = build_app(scripted, tokenizer, "fake", Metrics("fake"))
+    app = build_app(scripted, Metrics("fake"))
     http = TestClient(app)
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 2}
     lines = http.post("/v1/chat/completions", json=body).text.split("\n\n")

@@ -21,7 +21,7 @@ def _req(rid="r", prompt=(1, 2, 3), output=(), eos=None, **params) -> Request:
     params.setdefault("max_tokens", 64)
     req = Request(rid, list(prompt), SamplingParams(**params), eos_token_id=eos)
     for t in output:
-        req.append_output_token(t)
+        req.all_token_ids.append(t)
     return req
 
 

@@ -247,14 +247,17 @@ def test_abort_between_schedule_and_update_drops_the_token():
 
 # ---- admission control -----------------------------------------------------------------------
 def test_never_fitting_request_is_rejected():
+    # check_fits is the one admission check (LLMEngine.make_request calls it before add_request).
     s = make_scheduler(num_blocks=4, block_size=4, max_model_len=256)
     with pytest.raises(ValueError, match="can never run"):
-        s.add_request(make_request("huge", 20, max_tokens=10))
+        s.check_fits(make_request("huge", 20, max_tokens=10))
     with pytest.raises(ValueError, match="can never run"):  # may grow to max_model_len
-        s.add_request(make_request("open", 5, max_tokens=None))
+        s.check_fits(make_request("open", 5, max_tokens=None))
     with pytest.raises(ValueError, match="maximum context length is 256"):
-        s.add_request(make_request("long", 250, max_tokens=10))
-    s.add_request(make_request("fits", 10, max_tokens=7))  # 16 KV tokens: exactly the pool
+        s.check_fits(make_request("long", 250, max_tokens=10))
+    fits = make_request("fits", 10, max_tokens=7)  # 16 KV tokens: exactly the pool
+    s.check_fits(fits)
+    s.add_request(fits)
     assert len(s.waiting) == 1
     run_until_done(s)
     assert_scheduler_drained(s)
@@ -262,8 +265,9 @@ def test_never_fitting_request_is_rejected():
 
 def test_prompt_over_max_model_len_is_rejected_without_max_tokens():
     s = make_scheduler(max_model_len=16)
-    with pytest.raises(ValueError, match="your request has 17 input tokens"):
-        s.add_request(make_request("x", 17, max_tokens=None))
+    with pytest.raises(ValueError, match="your request has 17 input tokens") as e:
+        s.check_fits(make_request("x", 17, max_tokens=None))
+    assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
 
 
 # ---- stop conditions -------------------------------------------------------------------------
@@ -318,3 +322,47 @@ def test_request_queue_is_fcfs_with_prepend_and_remove():
     q.remove(b)
     assert [r.request_id for r in q] == ["d", "a", "c"] and len(q) == 3 and b not in q
     assert q.peek() is d and q.popleft() is d and q.popleft() is a and q
+
+
+# ---- the contract with the model runner --------------------------------------------------------
+def test_scheduler_output_block_ids_are_a_snapshot_not_live_lists():
+    s = make_scheduler(block_size=4)
+    req = make_request("x", 6, max_tokens=12)
+    s.add_request(req)
+    kv = s.kv_cache_manager
+    first, _ = run_fake_step(s)
+    assert first.block_table_reset == [True]  # its table starts from these ids
+    assert list(first.new_block_ids[0]) == kv.get_block_ids("x")
+    snapshot = list(first.new_block_ids[0])
+    deltas = [(first.new_block_ids[0], True)]
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        assert out.requests == [req]
+        deltas.append((out.new_block_ids[0], out.block_table_reset[0]))
+        kv_table = list(kv.get_block_ids("x"))
+        s.update_from_output(out, ModelRunnerOutput([7]))
+    assert list(first.new_block_ids[0]) == snapshot  # growing and freeing the table left it alone
+    assert len(kv_table) > len(snapshot)  # the table did grow after the first step
+    rebuilt = [b for ids, _ in deltas for b in ids]
+    assert rebuilt == kv_table and not any(reset for _, reset in deltas[1:])
+    assert all(ids == () for ids, _ in deltas[1:] if not ids)  # no-new-block steps: empty tuples
+
+
+def test_stop_string_finishes_through_the_scheduler_even_when_length_ends_it_too():
+    s = make_scheduler(block_size=4)
+    a = make_request("a", 6, max_tokens=10)
+    b = make_request("b", 6, max_tokens=2, start=100)
+    s.add_request(a)
+    s.add_request(b)
+    run_fake_step(s)  # both prefilled, one token each
+    run_fake_step(s)  # b's second token: finished by length in update_from_output
+    assert b.status == RequestStatus.FINISHED_LENGTH and a.status == RequestStatus.RUNNING
+    # The detokenizer saw a stop string complete in both this step.
+    s.finish_by_stop_string(a, "x")
+    s.finish_by_stop_string(b, "y")
+    for req, stop in ((a, "x"), (b, "y")):
+        assert req.status == RequestStatus.FINISHED_STOPPED and req.finish_reason == "stop"
+        assert req.stop_reason == stop and req not in s.running
+        assert not s.kv_cache_manager.get_block_ids(req.request_id)
+    assert s.schedule().finished_req_ids == ["b", "a"]  # the runner hears of both
+    assert_scheduler_drained(s)

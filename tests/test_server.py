@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import metric_value
+from conftest import ScriptedEngine, build_byte_tokenizer, metric_value, run_engine
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +89,74 @@ def test_metrics_after_traffic(client, tiny_server):
 
 def test_health(tiny_server):
     assert httpx.get(tiny_server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/health", "/ping"])
+def test_ping_answers_like_health_200_then_503(path):
+    """vLLM has both, GET and POST; 503 with the same error object once the engine is gone."""
+    from fastapi.testclient import TestClient
+
+    from server.app import build_app
+    from server.metrics import Metrics
+
+    scripted = ScriptedEngine(build_byte_tokenizer())
+    http = TestClient(build_app(scripted, Metrics("fake")))
+    assert [http.get(path).status_code, http.post(path).status_code] == [200, 200]
+    scripted.is_alive = False
+    dead = [http.get(path), http.post(path)]
+    assert [r.status_code for r in dead] == [503, 503]
+    assert all(r.json() == http.get("/health").json() for r in dead)
+    assert dead[0].json()["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_each_request_is_validated_once(tiny_model_dir, monkeypatch):
+    """One engine Request per choice, checked once (server and offline API alike)."""
+    from fastapi.testclient import TestClient
+
+    from engine.async_engine import AsyncEngine
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import Scheduler
+    from server.app import build_app
+    from server.metrics import Metrics
+
+    checks, queue_checks = [], []
+    check_fits, check_queue = Scheduler.check_fits, AsyncEngine.check_queue
+
+    def fits_spy(self, request):
+        checks.append(request.request_id)
+        return check_fits(self, request)
+
+    def queue_spy(self, num_new=1):
+        queue_checks.append(num_new)
+        return check_queue(self, num_new)
+
+    monkeypatch.setattr(Scheduler, "check_fits", fits_spy)
+    monkeypatch.setattr(AsyncEngine, "check_queue", queue_spy)
+    cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=128)
+    engine = LLMEngine(cfg)
+    async_engine = AsyncEngine(engine, max_num_queued_reqs=64)
+    async_engine.start()
+    try:
+        http = TestClient(build_app(async_engine, Metrics("tiny")))
+        body = {"prompt": "hi", "max_tokens": 2, "n": 2, "stream": True}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        assert len(checks) == len(set(checks)) == 2 and queue_checks == [2]
+        checks.clear()
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+        assert len(checks) == 1
+        checks.clear()
+        r = http.post("/v1/completions", json={"prompt": "x" * 200, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert len(checks) == 1 and queue_checks == [2, 1]  # refused before the queue bound
+    finally:
+        async_engine.shutdown()
+    checks.clear()
+    run_engine(engine, {"offline": ([5, 6, 7], SamplingParams(max_tokens=2))})
+    assert checks == ["offline"]
 
 
 def test_reused_x_request_id_serves_both_requests(tiny_server):

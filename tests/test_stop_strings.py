@@ -96,7 +96,7 @@ def _run_state(stop: list[str], include: bool = False, ids=(1, 2, 3, 4, 5)):
     state = RequestState(WordTokenizer(PIECES), req)
     deltas = []
     for i, token_id in enumerate(ids):
-        req.append_output_token(token_id)
+        req.all_token_ids.append(token_id)
         if i == len(ids) - 1:
             req.status = RequestStatus.FINISHED_LENGTH
         delta, stop_str = state.process_tokens(req, [token_id])
@@ -225,3 +225,21 @@ def test_engine_real_model_stop_truncates_free_run(engine):
     assert _text(outs) == text[: text.index(stop)]
     assert outs[-1].outputs[0].stop_reason == stop
     assert len(_ids(outs)) < 24
+
+
+def test_engine_stop_string_finishes_through_the_scheduler(engine, monkeypatch):
+    calls = []
+    finish = engine.scheduler.finish_by_stop_string
+
+    def spy(req, stop_str):
+        calls.append((req.request_id, req.status))
+        finish(req, stop_str)
+
+    monkeypatch.setattr(engine.scheduler, "finish_by_stop_string", spy)
+    # "last": the stop string completes on the final token, which also reaches max_tokens.
+    out = _scripted(engine, {"mid": {"stop": ["Stop"]}, "last": {"stop": ["xt"]}})
+    assert dict(calls) == {"mid": RequestStatus.RUNNING, "last": RequestStatus.FINISHED_LENGTH}
+    for rid, stop in (("mid", "Stop"), ("last", "xt")):
+        last = out[rid][-1].outputs[0]
+        assert (last.finish_reason, last.stop_reason) == ("stop", stop), rid
+    assert not engine.scheduler.requests and not engine.scheduler.running  # _scripted: blocks free

@@ -1,0 +1,93 @@
+"""A decode step through every decoder layer in one backend call, where the backend has one.
+
+Built once after load, like engine/cuda_graphs.py: the runner asks FusedDecode.build(model,
+backend), which reads the model's layers into a kernels.backend.DecoderStack and asks the
+backend for a step (AttentionBackend.fused_decode). It declines, and the model runs layer by
+layer, unless the backend declares supports_fused_decode and every decoder layer has exactly
+Llama's shape:
+
+    input_layernorm (RMSNorm) -> self_attn {qkv_proj, o_proj: Linear without bias, attn} ->
+    post_attention_layernorm (RMSNorm) -> mlp {gate_up_proj, down_proj: Linear, act_fn: SiluAndMul}
+
+with one full-width default rotary and one eps. Any other module inside a layer (q/k norms,
+extra norms, experts), a bias, a norm subclass or a rotary variant make it decline.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.layers import Attention, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from kernels import AttentionBackend, AttentionMetadata
+from kernels.backend import DecoderStack, FusedDecodeStep
+
+_LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTN = {"qkv_proj": Linear, "o_proj": Linear, "attn": Attention}
+_MLP = {"gate_up_proj": Linear, "down_proj": Linear, "act_fn": SiluAndMul}
+
+
+class FusedDecode:
+    def __init__(self, model: nn.Module, step: FusedDecodeStep) -> None:
+        self.model, self.step = model, step
+
+    @classmethod
+    def build(cls, model: nn.Module, backend: AttentionBackend) -> FusedDecode | None:
+        if not backend.supports_fused_decode:
+            return None
+        stack = decoder_stack(model)
+        step = None if stack is None else backend.fused_decode(stack)
+        return None if step is None else cls(model, step)
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        return self.step.can_run(meta)
+
+    def run(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+        x = self.model.model.embed_tokens(input_ids)  # [num_seqs, hidden]
+        cos_sin = self.model.rotary.cos_sin_cache(meta.max_seq_len, x.dtype)
+        return self.step(x, positions, cos_sin, meta, kv_caches)
+
+
+def decoder_stack(model: nn.Module) -> DecoderStack | None:
+    """model's decoder layers as a DecoderStack, or None where one is not Llama-shaped."""
+    rotary, norm = model.rotary, model.model.norm
+    if type(rotary) is not RotaryEmbedding or type(norm) is not RMSNorm:
+        return None
+    weights: list[torch.Tensor | None] = []
+    eps = {norm.eps}
+    attn = None
+    for layer in model.model.layers:
+        if not _children_are(layer, dict.fromkeys(_LAYER)):
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not _children_are(attn, _ATTN) or not _children_are(mlp, _MLP):
+            return None
+        if any(type(n) is not RMSNorm for n in norms):
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(m.packed is None or m.packed.bias is not None for m in linears):
+            return None  # unpacked (not bf16 on CPU) or with a bias: the kernel has neither
+        eps.update(n.eps for n in norms)
+        weights += [norms[0].weight, linears[0].kernel_weight, linears[1].kernel_weight]
+        weights += [norms[1].weight, linears[2].kernel_weight, linears[3].kernel_weight]
+    if attn is None or len(eps) != 1 or rotary.head_dim != attn.head_dim:
+        return None
+    return DecoderStack(
+        layer_weights=weights,
+        final_norm_weight=norm.weight,
+        eps=eps.pop(),
+        num_heads=attn.num_heads,
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        scale=attn.scale,
+        dtype=model.model.embed_tokens.weight.dtype,
+    )
+
+
+def _children_are(module: nn.Module, expected: dict) -> bool:
+    """module's children are exactly the names in expected (of the types given, where given)."""
+    children = dict(module.named_children())
+    if set(children) != set(expected):
+        return False
+    return all(t is None or type(children[n]) is t for n, t in expected.items())

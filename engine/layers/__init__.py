@@ -1,0 +1,32 @@
+"""Layers that model files compose; each picks its implementation once, at load (base.py).
+
+    model = LlamaForCausalLM(cfg, backend)   # every layer runs its torch oracle
+    ...load weights, .to(device, dtype)...
+    select_impls(model, ops)                 # ops: the CPU kernels, or None: oracles stay
+"""
+
+from __future__ import annotations
+
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention import Attention, KVCache
+from engine.layers.base import CPU, NATIVE, KernelLayer, select_impls
+from engine.layers.linear import PACKED, Linear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import ROPE_TYPES, RotaryEmbedding, apply_rope, rope_from_config
+
+__all__ = [
+    "CPU",
+    "NATIVE",
+    "PACKED",
+    "ROPE_TYPES",
+    "Attention",
+    "KVCache",
+    "KernelLayer",
+    "Linear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SiluAndMul",
+    "apply_rope",
+    "rope_from_config",
+    "select_impls",
+]

@@ -1,0 +1,154 @@
+"""The CPU C++ kernels' attention backend: KV writes, decode, prefill, cascade, fused decode.
+
+Built on the reference backend (kernels/reference.py): the same batching, with the kernels of
+kernels/cpu_ops.py in place of its gathers and SDPA calls. The paged decode kernel takes every
+decode batch; in bf16 where AMX is available the prefill kernel takes every sequence with more
+than one new token, and the cascade kernel decodes over a shared prefix. fused_decode() runs a
+whole decode step through every layer in one call (ops.decode_layers). The thresholds below are
+chosen by measurement: bench/README.md says how to rerun it (bench/cpu_ab.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.backend import AttentionMetadata, DecoderStack, FusedDecodeStep
+from kernels.reference import TorchAttentionBackend
+
+# Decode batches whose sequences share a prefix at least this long, this many of them, read it
+# once for all (the cascade kernel); below either, the one-pass decode kernel is as fast.
+CASCADE_MIN_TOKENS = 128
+CASCADE_MIN_SEQS = 8
+# Decode steps up to this many sequences run every layer in one kernel call (ops.decode_layers);
+# the AMX linears take every decode-sized call up to here (kernels/cpu_linear.py AMX_MAX_ROWS).
+FUSED_DECODE_MAX_ROWS = 32
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """ops: the loaded kernels (kernels.cpu_ops.load_cpu_ops()). Named "torch" as the CLI's
+    --attention-backend torch is, on CPU, these kernels over the reference."""
+
+    name = "torch"
+    supports_cascade = True
+    supports_fused_decode = True
+
+    def __init__(self, ops) -> None:
+        self.ops = ops
+        self._prefill_supported: dict[tuple[int, int], bool] = {}
+        self._cascade_supported: dict[tuple[int, int, int], bool] = {}
+        # the prefill kernel's per-step arguments, built by the first layer, reused by the others
+        self._prefill_args: tuple | None = None
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        if k_cache.device.type == "cpu":
+            self.ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        else:
+            super().write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def _prefill_kernel_applies(self, query, k_cache) -> bool:
+        """bf16 on CPU, query rows [T, H, D] with heads contiguous, shapes the kernel covers."""
+        if query.device.type != "cpu" or query.dtype != torch.bfloat16:
+            return False
+        if k_cache.dtype != torch.bfloat16 or query.stride(1) != query.shape[2]:
+            return False
+        key = (query.shape[2], k_cache.shape[1])
+        if key not in self._prefill_supported:
+            self._prefill_supported[key] = bool(self.ops.amx_prefill_supported(*key))
+        return self._prefill_supported[key]
+
+    def prefill(self, query, k_cache, v_cache, meta, seqs: list[int], starts, scale, out) -> None:
+        """All prefill sequences in one call of the AMX kernel, K/V read from the cache."""
+        cached = self._prefill_args
+        if cached is None or cached[0] is not meta or cached[1] != seqs:  # once per step
+            idx = torch.tensor(seqs, dtype=torch.long)
+            args = (
+                meta.block_table.index_select(0, idx),
+                torch.tensor([starts[i] for i in seqs], dtype=torch.int32),
+                torch.tensor([meta.query_lens_cpu[i] for i in seqs], dtype=torch.int32),
+                torch.tensor([meta.seq_lens_cpu[i] for i in seqs], dtype=torch.int32),
+            )
+            cached = self._prefill_args = (meta, list(seqs), args)
+        self.ops.paged_attention_prefill(out, query, k_cache, v_cache, *cached[2], scale)
+
+    def decode(
+        self, query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale, shared_blocks=0
+    ):
+        """With enough shared_blocks and sequences the cascade kernel reads the prefix once."""
+        if query.device.type != "cpu":
+            args = (block_table, seq_lens, max_seq_len, scale)
+            return super().decode(query, k_cache, v_cache, *args)
+        out = query.new_empty(query.shape)
+        plan = self.cascade_plan(
+            query.shape[1], query.dtype, k_cache, block_table, seq_lens, shared_blocks
+        )
+        if plan is not None:
+            self.ops.paged_attention_cascade(out, query, k_cache, v_cache, *plan, scale)
+            return out
+        self.ops.paged_attention_decode(out, query, k_cache, v_cache, block_table, seq_lens, scale)
+        return out
+
+    def cascade_plan(self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int):
+        """A plan when the cascade kernel takes this decode batch: a shared prefix of
+        CASCADE_MIN_TOKENS over CASCADE_MIN_SEQS sequences, bf16, shapes the AMX kernel covers."""
+        block_size = k_cache.shape[1]
+        if shared_blocks * block_size < CASCADE_MIN_TOKENS:
+            return None
+        if block_table.shape[0] < CASCADE_MIN_SEQS or dtype != torch.bfloat16:
+            return None
+        if k_cache.dtype != torch.bfloat16:
+            return None
+        key = (k_cache.shape[3], block_size, num_heads // k_cache.shape[2])
+        if key not in self._cascade_supported:
+            self._cascade_supported[key] = bool(self.ops.cascade_supported(*key))
+        if not self._cascade_supported[key]:
+            return None
+        prefix_len = shared_blocks * block_size
+        return (
+            block_table[0, :shared_blocks], prefix_len, block_table[:, shared_blocks:],
+            seq_lens - prefix_len,
+        )
+
+    def fused_decode(self, stack: DecoderStack) -> CpuFusedDecode | None:
+        """The decode_layers step for a bf16 stack whose projections are all AMX-packed (the
+        caller passes None weights for any the kernel does not hold), else None."""
+        if stack.dtype != torch.bfloat16 or any(w is None for w in stack.layer_weights):
+            return None
+        return CpuFusedDecode(self, stack)
+
+
+class CpuFusedDecode(FusedDecodeStep):
+    """A decode step through every layer in one call of ops.decode_layers: the kernels the
+    layers call, in the same order (the same bits, without the Python between them)."""
+
+    def __init__(self, backend: CpuAttentionBackend, stack: DecoderStack) -> None:
+        self.backend, self.stack = backend, stack
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        return meta.is_decode_only and meta.num_seqs <= FUSED_DECODE_MAX_ROWS
+
+    def __call__(self, x, positions, cos_sin, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+        s = self.stack
+        plan = self.backend.cascade_plan(
+            s.num_heads, x.dtype, kv_caches[0][0], meta.block_table, meta.seq_lens,
+            meta.decode_shared_blocks,
+        )
+        none = x.new_empty(0, dtype=torch.int32)
+        prefix_blocks, prefix_len, suffix_table, suffix_lens = plan or (none, 0, none, none)
+        return self.backend.ops.decode_layers(
+            x, positions, cos_sin, s.layer_weights, [c for kv in kv_caches for c in kv],
+            s.final_norm_weight, meta.slot_mapping, meta.block_table, meta.seq_lens, prefix_len,
+            prefix_blocks, suffix_table, suffix_lens, s.num_heads, s.num_kv_heads, s.head_dim,
+            s.eps, s.scale,
+        )
+
+
+def argmax_rows(ops):
+    """The row argmax greedy sampling runs: the one-pass kernel on contiguous float32 rows
+    (faster than torch.argmax at vocabulary sizes, bench/sampler.py), else torch.argmax."""
+
+    def kernel(logits: torch.Tensor) -> torch.Tensor:  # [N] int64
+        if logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            return ops.argmax_rows(logits)
+        return logits.argmax(dim=-1)
+
+    return kernel

@@ -1,0 +1,244 @@
+// Small-batch bf16 linear on AMX: amx_pack_weight, amx_linear (and amx_available).
+// out[M, N] = x[M, K] @ W[N, K]^T for decode-sized M, where oneDNN's per-call overhead
+// dominates. W is packed once into AMX's B-tile layout: for each 16 output columns and 32 k,
+// a 16 x 64-byte tile whose row r holds (W[n][k0+2r], W[n][k0+2r+1]) for n in 0..15.
+// Threads take 32-column chunks (two B tiles, back to back in the packed layout) from a
+// WorkQueue; C tiles 0-3, A tiles 4-5, B tiles 6-7 (amx_configure_square).
+#include "common.h"
+#include "ops.h"
+
+namespace pagedserve_cpu {
+
+#ifdef PAGEDSERVE_AMX
+namespace {
+
+constexpr int64_t kPrefetchTiles = 8;
+
+// Decode-sized rows: the weights stream into L2 one chunk ahead of use, 16 lines (one tile)
+// per dot step in both passes, so memory stays busy while rows 16-31 run from cache; at the
+// end of a thread's range of chunks it runs on into the next range that thread has taken
+// (bench/README.md, "Decode linears: the weight stream keeps pace through both 16-row passes").
+struct Stream {
+  const char *at = nullptr, *end = nullptr, *next = nullptr, *next_end = nullptr;
+  PAGEDSERVE_INLINE void advance() {
+    for (int line = 0; line < 16; ++line, at += 64) {
+      if (at >= end) {
+        if (next == nullptr) return;
+        at = next, end = next_end, next = nullptr;
+      }
+      _mm_prefetch(at, _MM_HINT_T1);
+    }
+  }
+};
+
+// One amx_linear call's operands. A tiles read 16 full rows straight from x; a last partial
+// tile reads `tail`, a zero-padded copy of the remaining rows.
+struct LinearCall {
+  const c10::BFloat16* xp;
+  int64_t ldx, full_rows, k;
+  const c10::BFloat16* tail;
+  const c10::BFloat16* wp;
+  int64_t nt, kt;  // 16-column weight tiles, 32-wide K steps
+  c10::BFloat16* op;
+  int64_t os, m;
+  PAGEDSERVE_INLINE std::pair<const c10::BFloat16*, int64_t> a_tile(int64_t m0) const {
+    if (m0 < full_rows) return {xp + m0 * ldx, ldx * 2};
+    return {tail, k * 2};
+  }
+};
+
+// The weight tiles of one 32-column chunk: b0 and, unless the chunk is the last odd tile, b1.
+struct Chunk {
+  const c10::BFloat16* b0;
+  const c10::BFloat16* b1;
+  int64_t n0, kt;
+  bool two;
+  // C tiles 0 (and 1) += 16 rows of x (A tile 4) x the chunk's K-step kb (B tiles 6, 7)
+  PAGEDSERVE_INLINE void dot_rows(const c10::BFloat16* a, int64_t lda, int64_t kb) const {
+    _tile_loadd(4, a + kb * 32, lda);
+    _tile_loadd(6, b0 + kb * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two) {
+      _tile_loadd(7, b1 + kb * 512, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+  }
+  // B streams from memory: fetch ahead, into this thread's next chunk near the end (chunks lie
+  // back to back: its tiles start 2 * kt tiles after this one's).
+  PAGEDSERVE_INLINE void prefetch(int64_t kb, bool next_is_ours, int64_t nt) const {
+    const int64_t ahead = kb + kPrefetchTiles;
+    if (ahead < kt || (next_is_ours && ahead < 2 * kt)) {
+      const c10::BFloat16* f = ahead < kt ? b0 + ahead * 512 : b0 + (kt + ahead) * 512;
+      const char* f0 = reinterpret_cast<const char*>(f);
+      const char* f1 = reinterpret_cast<const char*>(f + kt * 512);
+      const bool next_two = ahead < kt ? two : n0 + 3 < nt;
+      for (int line = 0; line < 1024; line += 64) {
+        _mm_prefetch(f0 + line, _MM_HINT_T0);
+        if (next_two) _mm_prefetch(f1 + line, _MM_HINT_T0);
+      }
+    }
+  }
+};
+
+// Decode-sized (17-32 rows): the first 16 rows read the chunk's weights, the next 16 read them
+// back from cache. One loop over both row tiles holds up the weight stream with its extra dot
+// products (bench/README.md, "Decode linears: two 16-row passes instead of one 2 x 2 tile
+// loop"); the stream keeps pace across both passes.
+PAGEDSERVE_INLINE void chunk_two_passes(
+    const LinearCall& c, const Chunk& ch, int64_t m0, Stream& stream, float (*cbuf)[16 * 16]) {
+  for (int64_t mi = 0; mi < 2; ++mi) {
+    const auto [a, lda] = c.a_tile(m0 + 16 * mi);
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t kb = 0; kb < c.kt; ++kb) {
+      stream.advance();
+      ch.dot_rows(a, lda, kb);
+    }
+    _tile_stored(0, cbuf[2 * mi], 64);
+    if (ch.two) _tile_stored(1, cbuf[2 * mi + 1], 64);
+  }
+}
+
+// 2 x 2 tiles per K step (prefill-sized rows, or one row tile): every further 32 rows reuse
+// the chunk from cache; the first 32 prefetch it.
+PAGEDSERVE_INLINE void chunk_2x2(
+    const LinearCall& c, const Chunk& ch, int64_t m0, bool two_m, bool first_rows,
+    bool next_is_ours, float (*cbuf)[16 * 16]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const auto [a0, lda0] = c.a_tile(m0);
+  const auto [a1, lda1] = two_m ? c.a_tile(m0 + 16) : c.a_tile(m0);
+  for (int64_t kb = 0; kb < c.kt; ++kb) {
+    if (first_rows) ch.prefetch(kb, next_is_ours, c.nt);
+    ch.dot_rows(a0, lda0, kb);  // keeps the chunk's B tiles in 6 and 7 for rows 16-31
+    if (two_m) {
+      _tile_loadd(5, a1 + kb * 32, lda1);
+      _tile_dpbf16ps(2, 5, 6);
+      if (ch.two) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, cbuf[0], 64);
+  if (ch.two) _tile_stored(1, cbuf[1], 64);
+  if (two_m) {
+    _tile_stored(2, cbuf[2], 64);
+    if (ch.two) _tile_stored(3, cbuf[3], 64);
+  }
+}
+
+// Rows m0.. (up to 32, those below m) of the C tiles in cbuf -> bf16 columns n0.. of out.
+PAGEDSERVE_INLINE void store_chunk(
+    const LinearCall& c, const Chunk& ch, int64_t m0, bool two_m, float (*cbuf)[16 * 16]) {
+  for (int64_t mi = 0; mi < 2; ++mi) {
+    for (int64_t r = 0; r < 16; ++r) {
+      const int64_t row = m0 + mi * 16 + r;
+      if (row >= c.m || (mi == 1 && !two_m)) break;
+      c10::BFloat16* orow = c.op + row * c.os + ch.n0 * 16;
+      store16(orow, _mm512_loadu_ps(cbuf[mi * 2] + r * 16));
+      if (ch.two) store16(orow + 16, _mm512_loadu_ps(cbuf[mi * 2 + 1] + r * 16));
+    }
+  }
+}
+
+// Output columns [begin, end) in 32-column chunks for rows [pass, pass_end), in this thread's
+// tile configuration.
+PAGEDSERVE_INLINE void run_chunks(
+    const LinearCall& c, int64_t pass, int64_t pass_end, int64_t begin, int64_t end,
+    Stream& stream, float (*cbuf)[16 * 16]) {
+  for (int64_t chunk = begin; chunk < end; ++chunk) {
+    Chunk ch;
+    ch.n0 = chunk * 2, ch.kt = c.kt, ch.two = ch.n0 + 1 < c.nt;
+    ch.b0 = c.wp + ch.n0 * c.kt * 512;
+    ch.b1 = ch.b0 + c.kt * 512;
+    for (int64_t m0 = pass; m0 < pass_end; m0 += 32) {
+      const bool two_m = m0 + 16 < pass_end;
+      if (two_m && pass_end - pass <= 32) {
+        chunk_two_passes(c, ch, m0, stream, cbuf);
+      } else {
+        chunk_2x2(c, ch, m0, two_m, m0 == pass, chunk + 1 < end, cbuf);
+      }
+      store_chunk(c, ch, m0, two_m, cbuf);
+    }
+  }
+}
+
+void check_amx_linear_args(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "bf16");
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(
+      packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16,
+      "packed must come from amx_pack_weight");
+  const int64_t m = x.size(0), k = x.size(1), nt = packed.size(0), kt = packed.size(1);
+  TORCH_CHECK(kt * 32 == k && out.size(1) == nt * 16 && out.size(0) == m, "shapes");
+}
+
+}  // namespace
+#endif
+
+bool amx_available() {
+#ifdef PAGEDSERVE_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor amx_pack_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "w: [N, K] bfloat16");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n % 16 == 0 && k % 32 == 0, "AMX packing needs N % 16 == 0 and K % 32 == 0");
+  // [N/16, K/32, 16 (k pairs), 16 (n), 2] as a view of w
+  return w.contiguous().view({n / 16, 16, k / 32, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous();
+}
+
+void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
+#ifdef PAGEDSERVE_AMX
+  check_amx_linear_args(out, x, packed);
+  LinearCall c;
+  c.m = x.size(0), c.k = x.size(1), c.nt = packed.size(0), c.kt = packed.size(1);
+  const int64_t m_pad = (c.m + 15) / 16 * 16, k = c.k;
+  c.xp = x.data_ptr<c10::BFloat16>();
+  c.ldx = x.stride(0), c.full_rows = c.m / 16 * 16;
+  std::vector<c10::BFloat16> tail(16 * k, c10::BFloat16(0.0f));
+  for (int64_t r = c.full_rows; r < c.m; ++r)
+    std::memcpy(tail.data() + (r - c.full_rows) * k, c.xp + r * c.ldx, k * sizeof(c10::BFloat16));
+  c.tail = tail.data();
+  c.wp = packed.data_ptr<c10::BFloat16>();
+  c.op = out.data_ptr<c10::BFloat16>();
+  c.os = out.stride(0);
+  const int64_t n_chunks = (c.nt + 1) / 2;  // 32 output columns (two B tiles) per chunk
+  const auto* w_bytes = reinterpret_cast<const char*>(c.wp);
+  auto chunk_bytes = [&](int64_t chunk) {
+    return w_bytes + std::min(2 * chunk, c.nt) * c.kt * 1024;
+  };
+  // Rows go in passes small enough for their slice of x to stay in L2 while every weight
+  // chunk streams past it; within a pass the threads take ranges of output columns in turn.
+  const int64_t rows_per_pass = std::max<int64_t>(32, (256 * 1024 / (2 * k)) / 32 * 32);
+  for (int64_t pass = 0; pass < m_pad; pass += rows_per_pass) {
+    const int64_t pass_end = std::min(m_pad, pass + rows_per_pass);
+    WorkQueue(n_chunks).run([&](WorkQueue& queue) {
+      amx_configure_square();
+      alignas(64) float cbuf[4][16 * 16];
+      Stream stream;
+      int64_t begin, end;
+      bool have = queue.take(begin, end);
+      if (have) stream.at = chunk_bytes(std::min(begin + 1, end)), stream.end = chunk_bytes(end);
+      while (have) {  // the next range is taken first, so the weight stream can run on into it
+        int64_t next_begin, next_end;
+        const bool more = queue.take(next_begin, next_end);
+        if (more) stream.next = chunk_bytes(next_begin), stream.next_end = chunk_bytes(next_end);
+        run_chunks(c, pass, pass_end, begin, end, stream, cbuf);
+        begin = next_begin, end = next_end, have = more;
+      }
+      _tile_release();
+    });
+  }
+#else
+  TORCH_CHECK(false, "built without AMX support");
+#endif
+}
+
+}  // namespace pagedserve_cpu

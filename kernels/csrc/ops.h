@@ -1,0 +1,63 @@
+// The ops registered under torch.ops.pagedserve_cpu (registration.cpp), one family per file.
+// decode_layers.cpp calls them too; a new family adds its file, its lines here and in
+// registration.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace pagedserve_cpu {
+
+// elementwise.cpp
+void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
+void rotary_embedding(
+    const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& cos_sin_cache);
+void silu_and_mul(const at::Tensor& out, const at::Tensor& x);
+void write_kv(
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& slot_mapping);
+
+// decode.cpp
+void paged_attention_decode(
+    const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+    double scale);
+bool set_amx_decode(bool enabled);
+
+// prefill.cpp
+bool amx_prefill_supported(int64_t head_dim, int64_t block_size);
+void paged_attention_prefill(
+    const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& q_start,
+    const at::Tensor& q_len, const at::Tensor& seq_lens, double scale);
+
+// cascade.cpp
+bool cascade_supported(int64_t head_dim, int64_t block_size, int64_t group);
+void paged_attention_cascade(
+    const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& prefix_blocks, int64_t prefix_len,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, double scale);
+
+// argmax.cpp
+at::Tensor argmax_rows(const at::Tensor& x);
+
+// linear.cpp
+bool amx_available();
+at::Tensor amx_pack_weight(const at::Tensor& w);
+void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed);
+
+// decode_layers.cpp
+at::Tensor decode_layers(
+    const at::Tensor& embeds, const at::Tensor& positions, const at::Tensor& cos_sin,
+    const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& caches,
+    const at::Tensor& final_norm, const at::Tensor& slot_mapping, const at::Tensor& block_table,
+    const at::Tensor& seq_lens, int64_t cascade_prefix_len, const at::Tensor& prefix_blocks,
+    const at::Tensor& suffix_table, const at::Tensor& suffix_lens, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
+
+}  // namespace pagedserve_cpu

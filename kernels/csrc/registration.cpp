@@ -1,0 +1,50 @@
+// torch.ops.pagedserve_cpu: every op of the CPU kernels, built on first use by
+// kernels/cpu_ops.py (torch.utils.cpp_extension) from all sources in this folder. The torch ops
+// (kernels/reference.py and the layers' torch paths) are the oracle the tests compare against.
+//   elementwise.cpp
+//     rms_norm                 Llama RMSNorm (Hugging Face's rounding) into out
+//     fused_add_rms_norm       residual += x, then x = rms_norm(residual), in place
+//     rotary_embedding         rotate-half RoPE in place on q and k, from a cos|sin cache
+//     silu_and_mul             SwiGLU: silu(x[:, :I]) * x[:, I:]
+//     write_kv                 new tokens' K and V into their cache slots
+//   decode.cpp
+//     paged_attention_decode   one query token per sequence over its paged K/V, GQA-aware
+//     set_amx_decode           route bf16 decode to AMX or AVX-512; returns the old setting
+//   prefill.cpp
+//     amx_prefill_supported    whether paged_attention_prefill covers these shapes
+//     paged_attention_prefill  any number of new tokens per sequence, bottom-right causal
+//   cascade.cpp
+//     cascade_supported        whether paged_attention_cascade covers these shapes
+//     paged_attention_cascade  decode over a prefix shared by every sequence, read once
+//   argmax.cpp
+//     argmax_rows              first index of each row's maximum (greedy sampling)
+//   linear.cpp
+//     amx_available            whether this build and process may use AMX
+//     amx_pack_weight          a bf16 weight [N, K] in AMX B-tile layout
+//     amx_linear               out = x @ W^T for decode-sized rows, W from amx_pack_weight
+//   decode_layers.cpp
+//     decode_layers            one decode step through every decoder layer
+// A new kernel family is one more .cpp here (declared in ops.h) and its m.def lines below.
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  using namespace pagedserve_cpu;
+  m.def("rms_norm", &rms_norm);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm);
+  m.def("rotary_embedding", &rotary_embedding);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("write_kv", &write_kv);
+  m.def("paged_attention_decode", &paged_attention_decode);
+  m.def("amx_available", &amx_available);
+  m.def("set_amx_decode", &set_amx_decode);
+  m.def("amx_prefill_supported", &amx_prefill_supported);
+  m.def("paged_attention_prefill", &paged_attention_prefill);
+  m.def("cascade_supported", &cascade_supported);
+  m.def("paged_attention_cascade", &paged_attention_cascade);
+  m.def("argmax_rows", &argmax_rows);
+  m.def("amx_pack_weight", &amx_pack_weight);
+  m.def("amx_linear", &amx_linear);
+  m.def("decode_layers", &decode_layers);
+}
