@@ -147,7 +147,10 @@ def test_prefix_hit_and_eviction_events():
     _, body = _parse(enc.encode(take_snapshot(sched)))
     hit = [e for e in body["events"] if e["type"] == "prefix_hit"]
     assert hit and hit[0]["request_id"] == "b" and hit[0]["num_blocks"] == 3
-    for _ in range(6):
+    run_fake_step(sched)
+    _, body = _parse(enc.encode(take_snapshot(sched)))
+    assert not [e for e in body["events"] if e["type"] == "prefix_hit"], "a hit is told once"
+    for _ in range(5):
         run_fake_step(sched)
     enc.encode(take_snapshot(sched))  # b finished: 4 cached free blocks, 4 never used
     sched.add_request(make_request("c", 28, max_tokens=1, start=500))  # needs all 8 blocks
