@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -208,12 +209,16 @@ async def stream_events(view: KVView, is_draining) -> AsyncIterator[str]:
     token = view.subscribe(latest.offer)
     try:
         yield "retry: 1000\n\n"
-        while not is_draining():
-            snap = await latest.next(KEEPALIVE_S)
-            if snap is None:
+        last_sent = time.monotonic()
+        while not is_draining():  # checked every second: a drain must not wait on a viewer
+            snap = await latest.next(1.0)
+            if snap is not None:
+                yield await asyncio.to_thread(encoder.encode, snap)
+            elif time.monotonic() - last_sent >= KEEPALIVE_S:
                 yield ": keepalive\n\n"
+            else:
                 continue
-            yield await asyncio.to_thread(encoder.encode, snap)
+            last_sent = time.monotonic()
     finally:
         view.unsubscribe(token)
 
