@@ -8,6 +8,7 @@ its own process later:
     check_queue(num_new)                              the --max-num-queued-reqs bound (503)
     generate(request) -> async RequestOutput deltas   leaving early aborts the request
     abort(id), check_health() / is_alive              what /health and the lifecycle read
+    kv_view                                           the KV map's snapshots (engine/kv_view.py)
 
 Torch releases the GIL, so a long step never blocks the event loop.
 
@@ -28,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from functools import cached_property
 from pathlib import Path
 
+from engine.kv_view import KVView
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, StepStats
 from engine.request import Request
@@ -64,6 +66,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
         # Touched on every loop turn, idle or not: a stale value with work pending means a hang.
         self.last_progress_time = time.monotonic()
+        # The playground's KV map: captures on this loop, only while someone subscribes.
+        self.kv_view = KVView(engine.scheduler, wake=lambda: self._inbox.put(("wake", None)))
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -188,8 +192,11 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 self.last_progress_time = time.monotonic()
-                self._drain(block=not self.engine.has_unfinished_requests())
-                if self.engine.has_unfinished_requests():
+                idle = not self.engine.has_unfinished_requests()
+                self._drain(block=idle, timeout=self.kv_view.idle_timeout(0.5))
+                if not self.engine.has_unfinished_requests():
+                    self.kv_view.on_idle()
+                else:
                     if fault == "delay":
                         time.sleep(fault_arg / 1000)
                     elif fault is not None and num_steps >= fault_arg:
@@ -200,14 +207,15 @@ class AsyncEngine:
                     self._dispatch(outputs)
                     if self.on_stats is not None:
                         self.on_stats(stats)
+                    self.kv_view.on_step(stats.prefix_cache_queries, stats.prefix_cache_hits)
         except BaseException as e:  # noqa: BLE001 - every waiter must hear about the crash
             logger.exception("engine loop died")
             self.error = e
             self._fail_all(EngineDeadError(f"engine loop died: {e!r}"))
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool, timeout: float = 0.5) -> None:
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         aborts = []

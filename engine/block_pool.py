@@ -103,6 +103,11 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self.num_cached_free_blocks = 0  # free blocks with a hash; read every step, so counted
+        # Per block: 0 without a hash, else a tag (1..255, cycling) that changes with the hash,
+        # so two copies tell a reused block from a kept one; one memcpy (engine/kv_view.py).
+        self.hash_tags = bytearray(num_blocks)
+        self._next_hash_tag = 1
+        self.num_evictions_total = 0  # cached blocks reused for other content
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -121,7 +126,9 @@ class BlockPool:
             if block.block_hash is not None:
                 del self.cached_block_hash_to_block[block.block_hash]
                 block.block_hash = None
+                self.hash_tags[block.block_id] = 0
                 self.num_cached_free_blocks -= 1
+                self.num_evictions_total += 1
             block.ref_cnt = 1
         return blocks
 
@@ -180,6 +187,8 @@ class BlockPool:
                 continue  # same content computed twice; keep the first copy as the cached one
             block.block_hash = block_hash
             cached[block_hash] = block
+            self.hash_tags[block.block_id] = self._next_hash_tag
+            self._next_hash_tag = self._next_hash_tag % 255 + 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only when no request holds a block."""
@@ -189,6 +198,7 @@ class BlockPool:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
         self.num_cached_free_blocks = 0
+        self.hash_tags[:] = bytes(self.num_blocks)
         return True
 
     def check_integrity(self) -> None:
@@ -208,6 +218,7 @@ class BlockPool:
                 held += 1
             if block.block_hash is not None:
                 assert self.cached_block_hash_to_block.get(block.block_hash) is block
+            assert bool(self.hash_tags[block.block_id]) == (block.block_hash is not None)
         assert held + len(free) == self.num_blocks
         for block_hash, block in self.cached_block_hash_to_block.items():
             assert block.block_hash == block_hash and self.blocks[block.block_id] is block

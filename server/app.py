@@ -8,7 +8,9 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.kv_view import KVView
 from server.metrics import Metrics
+from server.playground import install_offline_docs, install_playground
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -25,6 +27,7 @@ from server.serving_engine import ServingContext
 from server.serving_errors import APIError, error_response, install_error_handlers
 from server.serving_responses import create_response
 from server.serving_tokenization import detokenize, tokenize
+from server.tokenizer_info import tokenizer_info
 
 __all__ = ["APIError", "VERSION", "build_app", "error_response"]
 
@@ -37,9 +40,14 @@ def build_app(
     engine: AsyncEngine,
     metrics: Metrics,
     tool_call_parser: str | None = None,  # None: tool_choice "auto" is refused
+    kv_view: KVView | None = None,
 ) -> FastAPI:
-    """The app over the engine's facade (model name, tokenizer, limits all come from it)."""
-    app = FastAPI(title="pagedserve", version=VERSION)
+    """The app over the engine's facade (model name, tokenizer, limits all come from it).
+
+    kv_view: the engine's KV view for the playground, or None for none (--disable-playground).
+    """
+    # FastAPI's own /docs and /redoc load their scripts from a CDN: ours are served locally.
+    app = FastAPI(title="pagedserve", version=VERSION, docs_url=None, redoc_url=None)
     app.state.engine, app.state.metrics = engine, metrics
     ctx = ServingContext.build(engine)
     ctx.tool_call_parser = tool_call_parser
@@ -98,5 +106,16 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest):
         return detokenize(ctx, body)
+
+    info = tokenizer_info(engine.tokenizer)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route() -> dict:
+        """The tokenizer's configuration (vLLM's shape), as lm-eval's remote tokenizer reads it."""
+        return info
+
+    install_offline_docs(app)
+    if kv_view is not None:
+        install_playground(app, kv_view)
 
     return app

@@ -97,6 +97,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="seconds a structured-output grammar may take to compile; slower ones get 400",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--disable-playground",
+        action="store_true",
+        help="no playground page at / and no /kv/snapshot, /kv/stream (404)",
+    )
 
 
 def _add_connection_args(p: argparse.ArgumentParser) -> None:
@@ -219,7 +224,9 @@ def guard_settings(args: argparse.Namespace):
 
 
 def build_server(args: argparse.Namespace, state=None):
-    """Loads the model and builds the app (on the loader thread); returns (engine, app)."""
+    """Loads the model and builds the app (on the loader thread); returns (engine, app).
+
+    state: the ServerState whose draining flag ends the app's long-lived streams."""
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
     from server.app import build_app
@@ -233,7 +240,10 @@ def build_server(args: argparse.Namespace, state=None):
     metrics.observe(engine.snapshot_stats())  # block gauges read true before the first step
     async_engine = AsyncEngine(engine, metrics.observe, args.max_num_queued_reqs)
     parser = args.tool_call_parser if args.enable_auto_tool_choice else None
-    app = build_app(async_engine, metrics, parser)
+    kv_view = None if args.disable_playground else async_engine.kv_view
+    app = build_app(async_engine, metrics, parser, kv_view)
+    if state is not None:
+        app.state.is_draining = lambda: state.draining
     async_engine.start()
     return async_engine, app
 

@@ -1,0 +1,527 @@
+// pagedserve playground: a chat with the served model beside a live map of its paged KV cache.
+// Plain browser JavaScript, no build step and no network beyond this server: /v1/* for the
+// chat, /kv/stream (server-sent events, server/kv_api.py documents the format) for the map.
+"use strict";
+
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const RGB = {
+    free: [229, 231, 235],
+    cached: [147, 197, 253],
+    held: [22, 163, 74],
+    shared: [245, 158, 11],
+    selected: [220, 38, 38],
+    hit: [124, 58, 237],
+    evicted: [220, 38, 38],
+  };
+  const MAX_CELL_PX = 28;
+  const MAX_MAP_PX = 300;
+  const FLASH_MS = 2000;
+  const MAX_EVENTS = 200;
+
+  // ---- KV map state (window.pagedserveKV: what the map shows, for tests and the curious) -----
+  const kv = {
+    numBlocks: 0,
+    blockSize: 0,
+    codes: new Uint8Array(0), // min(ref_cnt, 127) | 128 if the block holds a prefix hash
+    requests: [],
+    waiting: [],
+    counters: null,
+    seq: 0,
+    numUpdates: 0,
+    selected: null, // request id whose block table is shown
+    follow: null, // X-Request-Id of the page's own newest request: selected when it appears
+    flashes: new Map(), // block id -> {color, until}
+    events: [],
+  };
+  window.pagedserveKV = kv;
+
+  const refOf = (code) => code & 127;
+  const isHashed = (code) => (code & 128) !== 0;
+
+  function decodeBase64(text) {
+    const bin = atob(text);
+    const out = new Uint8Array(bin.length);
+    for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
+    return out;
+  }
+
+  function applyKV(body) {
+    if (body.blocks !== undefined) {
+      kv.codes = decodeBase64(body.blocks);
+    } else if (body.changes) {
+      for (let i = 0; i < body.changes.length; i += 2) kv.codes[body.changes[i]] = body.changes[i + 1];
+    }
+    kv.numBlocks = body.num_blocks;
+    kv.blockSize = body.block_size;
+    kv.requests = body.requests;
+    kv.waiting = body.waiting;
+    kv.counters = body.counters;
+    kv.seq = body.seq;
+    kv.numUpdates++;
+    if (kv.follow) {
+      const mine = kv.requests.find((r) => r.request_id.includes(kv.follow));
+      if (mine) {
+        kv.selected = mine.request_id;
+        kv.follow = null;
+      }
+    }
+    for (const e of body.events || []) onEvent(e);
+    $("kv-geometry").textContent =
+      `${kv.numBlocks.toLocaleString()} blocks × ${kv.blockSize} tokens`;
+    renderCounters();
+    renderRequests();
+    renderBlockTable();
+    requestDraw();
+  }
+
+  function connectKV() {
+    const status = $("kv-status");
+    const source = new EventSource("/kv/stream");
+    source.addEventListener("snapshot", (m) => {
+      status.textContent = "KV stream: live";
+      status.className = "pill live";
+      applyKV(JSON.parse(m.data));
+    });
+    source.addEventListener("update", (m) => applyKV(JSON.parse(m.data)));
+    source.onerror = () => {
+      status.textContent = "KV stream: reconnecting";
+      status.className = "pill down";
+    };
+  }
+
+  // ---- events, counters, requests, block table --------------------------------------------
+  function onEvent(e) {
+    const now = performance.now();
+    let text;
+    if (e.type === "prefix_hit") {
+      text = `prefix-cache hit: ${e.request_id} reused ${e.num_blocks} block(s) [${e.block_ids.join(", ")}]`;
+      for (const b of e.block_ids) kv.flashes.set(b, { color: RGB.hit, until: now + FLASH_MS });
+    } else if (e.type === "eviction") {
+      text = `evicted ${e.num_blocks} cached block(s)` +
+        (e.block_ids.length ? ` [${e.block_ids.join(", ")}]` : "");
+      for (const b of e.block_ids) kv.flashes.set(b, { color: RGB.evicted, until: now + FLASH_MS });
+    } else if (e.type === "preemption") {
+      text = e.request_id
+        ? `preempted ${e.request_id}: its blocks were freed, it will recompute`
+        : `${e.count} preemption(s) between two updates`;
+    } else {
+      text = JSON.stringify(e);
+    }
+    kv.events.push({ type: e.type, text });
+    const li = document.createElement("li");
+    li.className = e.type;
+    li.textContent = `${new Date().toLocaleTimeString()} ${text}`;
+    const list = $("events");
+    list.prepend(li);
+    while (list.children.length > MAX_EVENTS) list.lastChild.remove();
+  }
+
+  const pct = (x) => `${(100 * x).toFixed(x > 0 && x < 0.01 ? 2 : 1)}%`;
+
+  function renderCounters() {
+    const c = kv.counters;
+    if (!c) return;
+    $("c-usage").textContent = pct(c.kv_cache_usage);
+    $("c-blocks").textContent = `${c.num_used_blocks} / ${c.num_cached_blocks} / ${c.num_free_blocks}`;
+    $("c-shared").textContent = String(c.num_shared_blocks);
+    $("c-hit-rate").textContent = c.prefix_cache_queries_total
+      ? `${pct(c.prefix_cache_hit_rate)} (${c.prefix_cache_hits_total} / ${c.prefix_cache_queries_total} tokens)`
+      : "–";
+    $("c-preemptions").textContent = String(c.num_preemptions_total);
+    $("c-evictions").textContent = String(c.num_evictions_total);
+    $("c-queue").textContent = `${c.num_running} / ${c.num_waiting}`;
+  }
+
+  function renderRequests() {
+    const list = $("requests");
+    list.replaceChildren();
+    for (const r of kv.requests) {
+      const li = document.createElement("li");
+      li.dataset.requestId = r.request_id;
+      li.textContent = `${r.request_id} · ${r.block_table.length} blocks · ` +
+        `${r.num_computed_tokens}/${r.num_tokens} tokens computed` +
+        (r.num_cached_tokens ? ` · ${r.num_cached_tokens} from the prefix cache` : "") +
+        (r.num_preemptions ? ` · preempted ${r.num_preemptions}×` : "");
+      if (r.request_id === kv.selected) li.className = "selected";
+      li.addEventListener("click", () => {
+        kv.selected = r.request_id;
+        kv.follow = null;
+        renderRequests();
+        renderBlockTable();
+        requestDraw();
+      });
+      list.append(li);
+    }
+    if (!kv.requests.length) {
+      const li = document.createElement("li");
+      li.className = "muted";
+      li.textContent = `none running (${kv.counters ? kv.counters.num_waiting : 0} waiting)`;
+      list.append(li);
+    }
+  }
+
+  function renderBlockTable() {
+    const box = $("block-table");
+    const r = kv.requests.find((x) => x.request_id === kv.selected);
+    box.replaceChildren();
+    if (!r) {
+      $("table-title").textContent = kv.selected ? `(${kv.selected}: not running)` : "(select a request)";
+      return;
+    }
+    $("table-title").textContent = `${r.request_id}: logical → physical`;
+    const numHit = Math.floor(r.num_cached_tokens / kv.blockSize);
+    r.block_table.forEach((phys, logical) => {
+      const chip = document.createElement("span");
+      const ref = refOf(kv.codes[phys] || 0);
+      chip.className = "bt" + (ref > 1 ? " shared" : "") + (logical < numHit ? " hit" : "");
+      chip.textContent = `${logical}→${phys}` + (ref > 1 ? ` (ref ${ref})` : "");
+      box.append(chip);
+    });
+  }
+
+  // ---- the map: one cell per block, or one pixel per group of blocks in huge pools --------
+  const canvas = $("kv-canvas");
+  const ctx = canvas.getContext("2d");
+  let drawPending = false;
+  let geometry = null;
+
+  function requestDraw() {
+    if (drawPending) return;
+    drawPending = true;
+    requestAnimationFrame(() => {
+      drawPending = false;
+      draw();
+    });
+  }
+
+  function layout(width, n) {
+    // the largest square cell (capped) for which n cells fit in width x MAX_MAP_PX
+    let s = Math.min(MAX_CELL_PX, Math.floor(Math.sqrt((width * MAX_MAP_PX) / Math.max(n, 1))));
+    while (s > 1 && Math.floor(width / s) * Math.floor(MAX_MAP_PX / s) < n) s--;
+    if (s >= 1 && Math.floor(width / s) * Math.floor(MAX_MAP_PX / s) >= n) {
+      const cols = Math.floor(width / s);
+      return { cell: s, cols, perCell: 1, height: Math.ceil(n / cols) * s };
+    }
+    // more blocks than pixels: each pixel stands for perCell consecutive blocks
+    const perCell = Math.ceil(n / (width * MAX_MAP_PX));
+    return { cell: 1, cols: width, perCell, height: Math.ceil(n / perCell / width) };
+  }
+
+  function blockColor(code, selectedSet, b) {
+    if (selectedSet.has(b)) return RGB.selected;
+    const ref = refOf(code);
+    if (ref > 1) return RGB.shared;
+    if (ref === 1) return RGB.held;
+    return isHashed(code) ? RGB.cached : RGB.free;
+  }
+
+  function groupColor(start, end) {
+    // the blocks' colours mixed by count, so usage shows as a gradient
+    let r = 0, g = 0, bl = 0;
+    for (let b = start; b < end; b++) {
+      const c = blockColor(kv.codes[b], EMPTY_SET, b);
+      r += c[0]; g += c[1]; bl += c[2];
+    }
+    const n = Math.max(end - start, 1);
+    return [r / n, g / n, bl / n];
+  }
+  const EMPTY_SET = new Set();
+
+  function draw() {
+    const n = kv.numBlocks;
+    const width = Math.max(Math.floor(canvas.clientWidth), 50);
+    if (!n) return;
+    geometry = layout(width, n);
+    const height = Math.max(geometry.height, 1);
+    canvas.style.height = `${height}px`;
+    if (canvas.width !== width || canvas.height !== height) {
+      canvas.width = width;
+      canvas.height = height;
+    }
+    const sel = kv.requests.find((r) => r.request_id === kv.selected);
+    const selectedSet = new Set(sel ? sel.block_table : []);
+    const now = performance.now();
+    const { cell, cols, perCell } = geometry;
+    if (cell <= 3) {
+      drawPixels(width, height, cell, cols, perCell, selectedSet, now);
+    } else {
+      drawCells(width, height, cell, cols, selectedSet, now);
+    }
+    canvas.dataset.seq = String(kv.seq);
+    canvas.dataset.perCell = String(perCell);
+    let active = false;
+    for (const [b, f] of kv.flashes) {
+      if (f.until <= now) kv.flashes.delete(b);
+      else active = true;
+    }
+    if (active) requestDraw();
+  }
+
+  function drawPixels(width, height, cell, cols, perCell, selectedSet, now) {
+    const img = ctx.createImageData(width, height);
+    const px = img.data;
+    const numCells = Math.ceil(kv.numBlocks / perCell);
+    for (let i = 0; i < numCells; i++) {
+      const start = i * perCell;
+      let c;
+      if (perCell === 1) {
+        const f = kv.flashes.get(start);
+        c = f && f.until > now ? f.color : blockColor(kv.codes[start], selectedSet, start);
+      } else {
+        c = groupColor(start, Math.min(start + perCell, kv.numBlocks));
+      }
+      const x0 = (i % cols) * cell, y0 = Math.floor(i / cols) * cell;
+      for (let dy = 0; dy < cell; dy++) {
+        for (let dx = 0; dx < cell; dx++) {
+          const o = ((y0 + dy) * width + x0 + dx) * 4;
+          px[o] = c[0]; px[o + 1] = c[1]; px[o + 2] = c[2]; px[o + 3] = 255;
+        }
+      }
+    }
+    ctx.putImageData(img, 0, 0);
+  }
+
+  function drawCells(width, height, cell, cols, selectedSet, now) {
+    ctx.clearRect(0, 0, width, height);
+    const gap = cell >= 6 ? 1 : 0;
+    const labels = cell >= 14;
+    ctx.font = `${Math.floor(cell * 0.55)}px system-ui, sans-serif`;
+    ctx.textAlign = "center";
+    ctx.textBaseline = "middle";
+    for (let b = 0; b < kv.numBlocks; b++) {
+      const code = kv.codes[b];
+      const x = (b % cols) * cell, y = Math.floor(b / cols) * cell;
+      const c = blockColor(code, EMPTY_SET, b);
+      ctx.fillStyle = `rgb(${c[0]},${c[1]},${c[2]})`;
+      ctx.fillRect(x, y, cell - gap, cell - gap);
+      const f = kv.flashes.get(b);
+      const outline = selectedSet.has(b) ? RGB.selected : f && f.until > now ? f.color : null;
+      if (outline) {
+        ctx.strokeStyle = `rgb(${outline[0]},${outline[1]},${outline[2]})`;
+        ctx.lineWidth = 2;
+        ctx.strokeRect(x + 1, y + 1, cell - gap - 2, cell - gap - 2);
+      }
+      const ref = refOf(code);
+      if (labels && ref > 1) {
+        ctx.fillStyle = "#111827";
+        ctx.fillText(String(ref), x + (cell - gap) / 2, y + (cell - gap) / 2 + 1);
+      }
+    }
+  }
+
+  function blockAt(event) {
+    if (!geometry) return -1;
+    const rect = canvas.getBoundingClientRect();
+    const x = Math.floor(event.clientX - rect.left), y = Math.floor(event.clientY - rect.top);
+    const i = Math.floor(y / geometry.cell) * geometry.cols + Math.floor(x / geometry.cell);
+    const b = i * geometry.perCell;
+    return b >= 0 && b < kv.numBlocks ? b : -1;
+  }
+
+  canvas.addEventListener("mousemove", (event) => {
+    const tip = $("kv-tooltip");
+    const b = blockAt(event);
+    if (b < 0) {
+      tip.hidden = true;
+      return;
+    }
+    const code = kv.codes[b];
+    const holders = kv.requests
+      .filter((r) => r.block_table.includes(b))
+      .map((r) => `${r.request_id}[${r.block_table.indexOf(b)}]`);
+    const what = geometry.perCell > 1 ? `blocks ${b}–${b + geometry.perCell - 1}` : `block ${b}`;
+    tip.textContent = `${what}: ref ${refOf(code)}` + (isHashed(code) ? ", prefix-cached" : "") +
+      (holders.length ? ` · ${holders.join(", ")}` : "");
+    tip.style.left = `${event.offsetX + 12}px`;
+    tip.style.top = `${event.offsetY + 12}px`;
+    tip.hidden = false;
+  });
+  canvas.addEventListener("mouseleave", () => { $("kv-tooltip").hidden = true; });
+  window.addEventListener("resize", requestDraw);
+
+  // ---- chat ---------------------------------------------------------------------------------
+  const conversation = []; // chat turns after the system prompt
+  let modelName = null;
+  let controller = null;
+  let numSent = 0;
+
+  async function loadModel() {
+    try {
+      const resp = await fetch("/v1/models");
+      const body = await resp.json();
+      modelName = body.data[0].id;
+      $("model-name").textContent = `${modelName} · max_model_len ${body.data[0].max_model_len}`;
+    } catch (e) {
+      $("model-name").textContent = `no model: ${e.message}`;
+    }
+  }
+
+  function addMessage(role, text) {
+    const el = document.createElement("div");
+    el.className = `msg ${role}`;
+    const label = document.createElement("div");
+    label.className = "role";
+    label.textContent = role;
+    const body = document.createElement("div");
+    body.className = "text";
+    body.textContent = text;
+    const stats = document.createElement("div");
+    stats.className = "stats";
+    el.append(label, body, stats);
+    $("messages").append(el);
+    el.scrollIntoView({ block: "end" });
+    return { el, body, stats };
+  }
+
+  function setBusy(busy) {
+    $("send").disabled = busy;
+    $("stop").disabled = !busy;
+  }
+
+  function numberField(id, parse) {
+    const v = parse($(id).value);
+    return Number.isFinite(v) ? v : undefined;
+  }
+
+  async function* sseData(resp) {
+    const reader = resp.body.getReader();
+    const decoder = new TextDecoder();
+    let buf = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buf += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buf.indexOf("\n\n")) >= 0) {
+        const event = buf.slice(0, cut);
+        buf = buf.slice(cut + 2);
+        for (const line of event.split("\n")) {
+          if (line.startsWith("data: ")) yield line.slice(6);
+        }
+      }
+    }
+  }
+
+  async function send() {
+    const text = $("input").value;
+    if (!text.trim() || controller) return;
+    const mode = $("mode").value;
+    const params = {
+      model: modelName,
+      temperature: numberField("temperature", parseFloat),
+      top_p: numberField("top-p", parseFloat),
+      max_tokens: numberField("max-tokens", (v) => parseInt(v, 10)),
+      stream: true,
+      stream_options: { include_usage: true },
+    };
+    let url, body;
+    if (mode === "chat") {
+      conversation.push({ role: "user", content: text });
+      addMessage("user", text);
+      const system = $("system").value.trim();
+      const messages = system ? [{ role: "system", content: system }] : [];
+      url = "/v1/chat/completions";
+      body = { ...params, messages: messages.concat(conversation) };
+    } else {
+      addMessage("prompt", text);
+      url = "/v1/completions";
+      body = { ...params, prompt: text };
+    }
+    $("input").value = "";
+    const out = addMessage(mode === "chat" ? "assistant" : "completion", "");
+    out.el.dataset.state = "waiting";
+    const requestId = `pg${++numSent}-${Math.random().toString(36).slice(2, 8)}`;
+    kv.follow = requestId;
+    controller = new AbortController();
+    setBusy(true);
+    const t0 = performance.now();
+    let tFirst = null, tLast = null, numPieces = 0, usage = null, finish = null, answer = "";
+    try {
+      const resp = await fetch(url, {
+        method: "POST",
+        headers: { "content-type": "application/json", "x-request-id": requestId },
+        body: JSON.stringify(body),
+        signal: controller.signal,
+      });
+      if (!resp.ok) {
+        const err = await resp.json().catch(() => null);
+        throw new Error(err && err.error ? err.error.message : `HTTP ${resp.status}`);
+      }
+      for await (const data of sseData(resp)) {
+        if (data === "[DONE]") break;
+        const chunk = JSON.parse(data);
+        if (chunk.error) throw new Error(chunk.error.message);
+        if (chunk.usage) usage = chunk.usage;
+        for (const choice of chunk.choices || []) {
+          const piece = mode === "chat" ? (choice.delta && choice.delta.content) || "" : choice.text || "";
+          if (piece) {
+            tLast = performance.now();
+            if (tFirst === null) tFirst = tLast;
+            numPieces++;
+            answer += piece;
+            out.body.textContent = answer;
+            out.el.dataset.state = "streaming";
+            out.el.scrollIntoView({ block: "end" });
+          }
+          if (choice.finish_reason) finish = choice.finish_reason;
+        }
+      }
+      out.el.dataset.state = "done";
+    } catch (e) {
+      if (e.name === "AbortError") {
+        finish = "stopped";
+        out.el.dataset.state = "stopped";
+      } else {
+        out.el.classList.add("error");
+        out.el.dataset.state = "error";
+        out.body.textContent = answer + (answer ? "\n" : "") + `error: ${e.message}`;
+      }
+    } finally {
+      controller = null;
+      setBusy(false);
+    }
+    if (mode === "chat" && answer) conversation.push({ role: "assistant", content: answer });
+    out.stats.textContent = answerStats(t0, tFirst, tLast, usage, numPieces, finish);
+  }
+
+  function answerStats(t0, tFirst, tLast, usage, numPieces, finish) {
+    const parts = [];
+    if (tFirst !== null) parts.push(`TTFT ${(tFirst - t0).toFixed(0)} ms`);
+    const tokens = usage ? usage.completion_tokens : numPieces;
+    parts.push(`${tokens} tokens`);
+    if (tFirst !== null && tokens > 1 && tLast > tFirst) {
+      parts.push(`${((tokens - 1) / ((tLast - tFirst) / 1000)).toFixed(1)} tokens/s`);
+    }
+    if (usage && usage.prompt_tokens_details && usage.prompt_tokens_details.cached_tokens) {
+      parts.push(`${usage.prompt_tokens_details.cached_tokens} prompt tokens from the prefix cache`);
+    }
+    if (finish) parts.push(finish);
+    return parts.join(" · ");
+  }
+
+  $("composer").addEventListener("submit", (e) => {
+    e.preventDefault();
+    send();
+  });
+  $("input").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey) {
+      e.preventDefault();
+      send();
+    }
+  });
+  $("stop").addEventListener("click", () => {
+    if (controller) controller.abort();
+  });
+  $("new-chat").addEventListener("click", () => {
+    if (controller) controller.abort();
+    conversation.length = 0;
+    $("messages").replaceChildren();
+  });
+  $("mode").addEventListener("change", () => {
+    $("system-label").hidden = $("mode").value !== "chat";
+  });
+
+  loadModel();
+  connectKV();
+})();

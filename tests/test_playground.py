@@ -1,0 +1,393 @@
+"""The playground at / in a real browser (Debian's chromium driven by Playwright), offline docs.
+
+One server with an API key, a 40-block pool (so two chats preempt) and slowed steps (so a
+stream can be watched and stopped), one with --disable-playground. Every page runs with every
+non-loopback URL aborted. Screenshots of each state go to tests/artifacts/playground/.
+
+Without chromium (or playwright) these tests skip with a loud reason on a developer's machine
+and fail under CI=true: `.ci/run` must install Debian's chromium.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+from conftest import ServerProcess
+
+API_KEY = "playground-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+ARTIFACTS = Path(__file__).parent / "artifacts" / "playground"
+NUM_BLOCKS = 40  # of 16 tokens: two 250-token requests fit, three preempt
+WAIT_MS = 60_000
+SYSTEM_PROMPT = (
+    "You are the pagedserve test assistant. Answer in short sentences and never use more "
+    "words than the question needs."
+)
+
+
+def _browser_missing() -> str | None:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright package is not installed (pip install -e '.[dev]')"
+    if not Path(CHROMIUM).exists():
+        return f"{CHROMIUM} is missing (apt-get install -y chromium)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir):
+    common = [str(tiny_model_dir), "--dtype", "float32", "--api-key", API_KEY]
+    slow = {"PAGEDSERVE_FAULT_INJECT": "step_delay_ms:15"}
+    main = ServerProcess(
+        *common,
+        "--served-model-name",
+        "tiny",
+        "--num-gpu-blocks-override",
+        str(NUM_BLOCKS),
+        env=slow,
+    )
+    off = ServerProcess(*common, "--disable-playground")
+    try:
+        yield main.wait_ready(), off.wait_ready()
+    finally:
+        main.stop()
+        off.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    missing = _browser_missing()
+    if missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the browser tests, but {missing}")
+        pytest.skip(f"BROWSER TESTS NOT RUN: {missing}")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+class PageLog:
+    """What a page did wrong: console errors, failed requests, HTTP errors, blocked URLs."""
+
+    def __init__(self, page) -> None:
+        self.console_errors: list[str] = []
+        self.failed: list[str] = []
+        self.http_errors: list[str] = []
+        self.blocked: list[str] = []
+        page.on("console", self._console)
+        page.on("pageerror", lambda e: self.console_errors.append(f"pageerror: {e}"))
+        page.on("requestfailed", lambda r: self.failed.append(f"{r.url} {r.failure}"))
+        page.on("response", self._response)
+        page.route("**/*", self._route)
+
+    def _console(self, msg) -> None:
+        if msg.type == "error":
+            self.console_errors.append(msg.text)
+
+    def _response(self, resp) -> None:
+        if resp.status >= 400:
+            self.http_errors.append(f"{resp.status} {resp.url}")
+
+    def _route(self, route) -> None:
+        host = urlparse(route.request.url).hostname
+        if host in ("127.0.0.1", "localhost") or route.request.url.startswith("data:"):
+            route.continue_()
+        else:
+            self.blocked.append(route.request.url)
+            route.abort()
+
+    def assert_clean(self, allow_failed: tuple[str, ...] = ()) -> None:
+        failed = [f for f in self.failed if not any(a in f for a in allow_failed)]
+        assert not self.console_errors, self.console_errors
+        assert not failed, failed
+        assert not self.http_errors, self.http_errors
+        assert not self.blocked, f"the page reached outside loopback: {self.blocked}"
+
+
+@pytest.fixture()
+def context(browser):
+    ctx = browser.new_context(viewport={"width": 1400, "height": 950}, extra_http_headers=AUTH)
+    yield ctx
+    ctx.close()
+
+
+def open_playground(context, server):
+    page = context.new_page()
+    log = PageLog(page)
+    page.goto(server.url + "/")
+    page.wait_for_function(
+        "window.pagedserveKV && window.pagedserveKV.numUpdates > 0", timeout=WAIT_MS
+    )
+    return page, log
+
+
+def shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def send_chat(page, text: str, max_tokens: int, system: str = "") -> None:
+    page.fill("#system", system)
+    page.fill("#max-tokens", str(max_tokens))
+    page.fill("#input", text)
+    page.click("#send")
+
+
+def kv_eval(page, expr: str):
+    return page.evaluate(f"(() => {{ const kv = window.pagedserveKV; return {expr}; }})()")
+
+
+def wait_kv(page, condition: str) -> None:
+    page.wait_for_function(
+        f"(() => {{ const kv = window.pagedserveKV; return {condition}; }})()", timeout=WAIT_MS
+    )
+
+
+def wait_idle(server) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        snap = httpx.get(server.url + "/kv/snapshot", headers=AUTH, timeout=10).json()
+        if not snap["requests"] and snap["counters"]["num_waiting"] == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError("server did not go idle")
+
+
+# ---- the page ---------------------------------------------------------------------------------
+def test_page_loads_with_no_failed_request_and_no_console_error(context, server):
+    page, log = open_playground(context, server)
+    page.wait_for_function("document.querySelector('#model-name').textContent.includes('tiny')")
+    assert page.inner_text("#kv-status") == "KV stream: live"
+    assert kv_eval(page, "kv.numBlocks") == NUM_BLOCKS
+    c = kv_eval(page, "kv.counters")
+    assert c["num_used_blocks"] + c["num_cached_blocks"] + c["num_free_blocks"] == NUM_BLOCKS
+    used_cached_free = f"{c['num_used_blocks']} / {c['num_cached_blocks']} / {c['num_free_blocks']}"
+    assert page.inner_text("#c-blocks") == used_cached_free
+    time.sleep(0.5)  # let anything late fail
+    shot(page, "01-loaded")
+    log.assert_clean()
+
+
+def test_chat_streams_text_into_the_page_with_ttft_and_rate(context, server):
+    wait_idle(server)
+    page, log = open_playground(context, server)
+    send_chat(page, "Say something.", max_tokens=120)
+    page.wait_for_selector(".msg.assistant[data-state=streaming]", timeout=WAIT_MS)
+    first = len(page.inner_text(".msg.assistant .text"))
+    page.wait_for_function(
+        f"document.querySelector('.msg.assistant .text').textContent.length > {first}",
+        timeout=WAIT_MS,
+    )
+    wait_kv(page, "kv.requests.length === 1 && kv.selected !== null")
+    shot(page, "02-streaming")
+    page.wait_for_selector(".msg.assistant[data-state=done]", timeout=WAIT_MS)
+    stats = page.inner_text(".msg.assistant .stats")
+    assert "TTFT" in stats and "tokens/s" in stats and "120 tokens" in stats, stats
+    shot(page, "03-answered")
+    log.assert_clean()
+
+
+def test_stop_aborts_the_request_and_the_map_frees_its_blocks(context, server):
+    wait_idle(server)
+    page, log = open_playground(context, server)
+    send_chat(page, "Count to a thousand.", max_tokens=400)
+    page.wait_for_selector(".msg.assistant[data-state=streaming]", timeout=WAIT_MS)
+    wait_kv(page, "kv.requests.length === 1 && kv.counters.num_used_blocks > 1")
+    shot(page, "04-before-stop")
+    page.click("#stop")
+    page.wait_for_selector(".msg.assistant[data-state=stopped]", timeout=WAIT_MS)
+    wait_kv(page, "kv.requests.length === 0 && kv.counters.num_used_blocks === 0")
+    assert kv_eval(page, "Array.from(kv.codes).every((c) => (c & 127) === 0)")
+    assert page.inner_text("#c-queue") == "0 / 0"
+    shot(page, "05-stopped-blocks-freed")
+    snap = httpx.get(server.url + "/kv/snapshot", headers=AUTH, timeout=10).json()
+    assert snap["requests"] == [] and set(snap["ref_cnt"]) == {0}
+    out = page.inner_text(".msg.assistant .text")
+    assert 0 < len(out) and "stopped" in page.inner_text(".msg.assistant .stats")
+    log.assert_clean(allow_failed=("/v1/chat/completions",))  # the aborted stream
+
+
+def test_two_chats_with_one_system_prompt_share_blocks_with_ref_count_2(context, server):
+    wait_idle(server)
+    first, log1 = open_playground(context, server)
+    second, log2 = open_playground(context, server)
+    send_chat(first, "What is a block table?", max_tokens=150, system=SYSTEM_PROMPT)
+    first.wait_for_selector(".msg.assistant[data-state=streaming]", timeout=WAIT_MS)
+    send_chat(second, "What is a prefix cache?", max_tokens=150, system=SYSTEM_PROMPT)
+    second.wait_for_selector(".msg.assistant[data-state=streaming]", timeout=WAIT_MS)
+    wait_kv(second, "kv.requests.length === 2 && Array.from(kv.codes).some((c) => (c & 127) === 2)")
+    num_shared = kv_eval(second, "Array.from(kv.codes).filter((c) => (c & 127) === 2).length")
+    assert num_shared >= len(SYSTEM_PROMPT) // 16 - 1  # the system prompt's full blocks
+    assert int(second.inner_text("#c-shared")) >= 1
+    # the selected request (this page's own) lists its shared blocks with their ref count
+    second.wait_for_selector("#block-table .bt.shared", timeout=WAIT_MS)
+    assert "(ref 2)" in second.inner_text("#block-table")
+    second.wait_for_selector("#events li.prefix_hit", timeout=WAIT_MS)
+    shot(second, "06-shared-prefix-blocks")
+    for page in (first, second):
+        page.wait_for_selector(".msg.assistant[data-state=done]", timeout=WAIT_MS)
+    log1.assert_clean()
+    log2.assert_clean()
+
+
+def test_a_tiny_pool_shows_a_preemption(context, server):
+    wait_idle(server)
+    page, log = open_playground(context, server)
+    before = kv_eval(page, "kv.counters.num_preemptions_total")
+    errors: list[BaseException] = []
+
+    def complete(i: int) -> None:
+        body = {
+            "model": "tiny",
+            "prompt": [3 + (i * 37 + j) % 250 for j in range(50)],  # distinct: no shared blocks
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        try:
+            r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=120)
+            r.raise_for_status()
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=complete, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    page.wait_for_selector("#events li.preemption", timeout=WAIT_MS)
+    assert kv_eval(page, "kv.counters.num_preemptions_total") > before
+    assert int(page.inner_text("#c-preemptions")) > before
+    shot(page, "07-preemption")
+    for t in threads:
+        t.join(120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    log.assert_clean()
+
+
+def test_a_pool_of_500k_blocks_draws_aggregated(context, server):
+    """More blocks than pixels: each pixel mixes a group's colours (the stream is synthetic)."""
+    from engine.kv_view import KVSnapshot, RequestBlocks
+    from server.kv_api import StreamEncoder
+
+    n = 500_000  # held 0-300k (0-1k shared), cached 300k-400k, free 400k-500k
+    tables = [list(range(200_000)), list(range(1_000)) + list(range(200_000, 300_000))]
+    requests = [
+        RequestBlocks(f"big{i}", t, len(t) * 16, len(t) * 16 + 1, 64, 0, 0)
+        for i, t in enumerate(tables)
+    ]
+    tags = bytes([0] * 300_000 + [7] * 100_000 + [0] * 100_000)
+    snap = KVSnapshot(1, time.time(), n, 16, tags, requests, [], 0, 200_000, 100_000, 0, 0, 0, 0)
+    event = StreamEncoder().encode(snap)
+    page = context.new_page()
+    log = PageLog(page)
+    page.route(
+        "**/kv/stream",
+        lambda route: route.fulfill(
+            status=200, headers={"content-type": "text/event-stream"}, body=event
+        ),
+    )
+    page.goto(server.url + "/")
+    wait_kv(page, f"kv.numBlocks === {n}")
+    page.wait_for_function("Number(document.querySelector('#kv-canvas').dataset.perCell) > 1")
+    assert page.inner_text("#c-shared") == "1000"
+    held, cached, free = page.evaluate("""(() => {
+        const c = document.querySelector('#kv-canvas');
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        const at = (i) => Array.from(d.slice(i * 4, i * 4 + 3));
+        const px = c.width * c.height;
+        return [at(Math.floor(px * 0.3)), at(Math.floor(px * 0.7)), at(Math.floor(px * 0.9))];
+    })()""")
+    # inside each region every block of a pixel's group has one state: the legend's colours
+    assert (held, cached, free) == ([22, 163, 74], [147, 197, 253], [229, 231, 235])
+    shot(page, "09-500k-blocks")
+    log.assert_clean()
+
+
+# ---- offline docs ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "path, selector",
+    [
+        ("/docs", ".swagger-ui .info .title"),
+        ("/redoc", "h1"),
+    ],
+)
+def test_docs_render_with_the_network_blocked(context, server, path, selector):
+    page = context.new_page()
+    log = PageLog(page)
+    page.goto(server.url + path)
+    page.wait_for_selector(selector, timeout=WAIT_MS)
+    assert "pagedserve" in page.inner_text(selector)
+    # the KV snapshot route's summary: the schema reached the UI and was rendered
+    page.get_by_text("The paged KV cache now").first.wait_for(state="attached", timeout=WAIT_MS)
+    shot(page, f"08-docs{path.replace('/', '-')}")
+    log.assert_clean()
+
+
+# ---- HTTP only: auth, the OpenAPI schema, --disable-playground -------------------------------
+PLAYGROUND_PATHS = [
+    "/",
+    "/playground/app.js",
+    "/playground/style.css",
+    "/kv/snapshot",
+    "/kv/stream",
+]
+
+
+@pytest.mark.parametrize("path", [*PLAYGROUND_PATHS, "/docs", "/redoc", "/tokenizer_info"])
+def test_page_and_kv_endpoints_need_the_api_key(server, path):
+    r = httpx.get(server.url + path, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    with httpx.stream("GET", server.url + path, headers=AUTH, timeout=10) as r:
+        assert r.status_code == 200
+
+
+def test_kv_endpoints_are_in_the_openapi_schema(server):
+    schema = httpx.get(server.url + "/openapi.json", headers=AUTH, timeout=10).json()
+    for path in ("/kv/snapshot", "/kv/stream", "/tokenizer_info"):
+        assert "get" in schema["paths"][path], path
+    assert "block_table" in schema["paths"]["/kv/snapshot"]["get"]["description"]
+
+
+def test_kv_stream_starts_with_a_full_snapshot_event(server):
+    events = []
+    start = time.monotonic()
+    with httpx.stream("GET", server.url + "/kv/stream", headers=AUTH, timeout=10) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                events.append(line[7:])
+            if len(events) >= 1:
+                break
+    assert events == ["snapshot"] and time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("path", PLAYGROUND_PATHS)
+def test_disable_playground_turns_the_page_and_kv_endpoints_off(servers, path):
+    off = servers[1]
+    assert httpx.get(off.url + path, headers=AUTH, timeout=10).status_code == 404
+    assert httpx.get(off.url + "/v1/models", headers=AUTH, timeout=10).status_code == 200
+    assert httpx.get(off.url + "/docs", headers=AUTH, timeout=10).status_code == 200
