@@ -31,18 +31,6 @@ _LLAMA3 = {
 # family -> (config class, model class, config overrides): GQA everywhere (4 heads, 2 kv heads)
 FAMILIES = {
     "llama3": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": _LLAMA3}),
-    "llama-linear": (
-        "LlamaConfig", "LlamaForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
-    ),
-    "llama-dynamic": (
-        "LlamaConfig", "LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
-    ),
-    "llama-yarn": (
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                          "original_max_position_embeddings": 256}},
-    ),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
@@ -55,6 +43,18 @@ FAMILIES = {
          "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": [1]},
     ),
 }
+
+
+# Llama's other rope scalings: float32 batched parity only (the engine paths are the same)
+ROPE_VARIANTS = {
+    "llama-linear": {"rope_type": "linear", "factor": 2.0},
+    "llama-dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "llama-yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+}
+FAMILIES.update(
+    {k: ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": v}) for k, v in ROPE_VARIANTS.items()}
+)
+MAIN_FAMILIES = [f for f in FAMILIES if f not in ROPE_VARIANTS]
 
 
 def build_family_dir(path, family: str, seed: int = 0):
@@ -98,7 +98,14 @@ def prompts():
     return make_prompts(6, seed=5, max_len=40)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+def test_rope_variant_batched_matches_transformers(variant, tmp_path, prompts):
+    path = build_family_dir(tmp_path / variant, variant)
+    llm = LLM(str(path), dtype="float32")
+    assert _tokens(llm, prompts) == hf_greedy(path, prompts, MAX_NEW)
+
+
+@pytest.fixture(scope="module", params=MAIN_FAMILIES)
 def family(request, tmp_path_factory, prompts):
     """(name, folder, transformers' greedy tokens): one model per family per module."""
     path = build_family_dir(tmp_path_factory.mktemp(request.param), request.param)
