@@ -280,9 +280,9 @@ def test_openai_client_completions_and_chat_on_qwen3(qwen3_server, prompts):
         {"role": "assistant", "content": "hello"},
         {"role": "user", "content": "again"},
     ]
-    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    chat_ids = chat_ids["input_ids"] if isinstance(chat_ids, dict) else chat_ids
-    chat_want = tokenizer.decode(hf_greedy(path, [list(chat_ids)], MAX_NEW)[0])
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    chat_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    chat_want = tokenizer.decode(hf_greedy(path, [chat_ids], MAX_NEW)[0])
     chat = client.chat.completions.create(messages=messages, **kw)
     assert chat.choices[0].message.content == chat_want
     stream = client.chat.completions.create(messages=messages, stream=True, **kw)
