@@ -58,9 +58,8 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
-        # every id the model declares as EOS (Llama 3 has several); eos_token_id is among them
-        default_ids = frozenset() if eos_token_id is None else frozenset([eos_token_id])
-        self.eos_token_ids = default_ids if eos_token_ids is None else eos_token_ids | default_ids
+        # every id the model declares as EOS (Llama 3 has several), besides eos_token_id
+        self.eos_token_ids = eos_token_ids or frozenset()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
