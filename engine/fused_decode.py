@@ -9,8 +9,9 @@ Llama's shape:
     input_layernorm (RMSNorm) -> self_attn {qkv_proj, o_proj: Linear without bias, attn} ->
     post_attention_layernorm (RMSNorm) -> mlp {gate_up_proj, down_proj: Linear, act_fn: SiluAndMul}
 
-with one full-width default rotary and one eps. Any other module inside a layer (q/k norms,
-extra norms, experts), a bias, a norm subclass or a rotary variant make it decline.
+with one full-width rotary (any scaling variant: the kernel reads its cos|sin table) and one eps.
+Any other module inside a layer (q/k norms, extra norms, experts), a bias or a norm subclass
+make it decline.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class FusedDecode:
 def decoder_stack(model: nn.Module) -> DecoderStack | None:
     """model's decoder layers as a DecoderStack, or None where one is not Llama-shaped."""
     rotary, norm = model.rotary, model.model.norm
-    if type(rotary) is not RotaryEmbedding or type(norm) is not RMSNorm:
+    if not isinstance(rotary, RotaryEmbedding) or type(norm) is not RMSNorm:
         return None
     weights: list[torch.Tensor | None] = []
     eps = {norm.eps}

@@ -31,7 +31,7 @@ class LLM:
         """Runs every prompt to completion; results come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.engine.default_sampling_params()
         if not isinstance(params, list):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 
@@ -23,6 +25,7 @@ from engine.request import Request, RequestRejectedError, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured_output import GrammarCompiler
+from engine.weight_loader import check_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +37,17 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        check_tokenizer(self.tokenizer, self.hf_config, self.model_dir)
         self.config = replace(config, max_model_len=self._resolve_max_model_len(config))
         self.model_name = config.served_model_name or _default_model_name(config.model)
         self.runner = ModelRunner(self.config, self.model_dir, self.hf_config)
         self.scheduler = Scheduler(self.config, self.runner.num_blocks)
+        self.generation_config = read_generation_config(self.model_dir)
+        self.eos_token_ids = declared_eos_ids(self.hf_config, self.generation_config)
         self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token_id is None and self.eos_token_ids:
+            self.eos_token_id = min(self.eos_token_ids)
+        self.generation_defaults = generation_defaults(self.generation_config)
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer, self.vocab_size, self.config.grammar_compile_timeout
         )
@@ -67,6 +76,11 @@ class LLMEngine:
             )
         return config.max_model_len
 
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (as vLLM applies them
+        to requests that leave the fields unset)."""
+        return SamplingParams(**self.generation_defaults)
+
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
@@ -91,7 +105,13 @@ class LLMEngine:
                 raise SamplingParamsError(
                     "logit_bias", f"logit_bias token id {token_id} is out of the vocabulary"
                 )
-        req = Request(request_id, prompt_token_ids, params, eos_token_id=self.eos_token_id)
+        req = Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
+        )
         self.scheduler.check_fits(req)
         if params.max_tokens is None:
             left = self.config.max_model_len - req.num_prompt_tokens
@@ -225,6 +245,37 @@ class LLMEngine:
             num_cached_free_blocks=pool.get_num_cached_free_blocks(),
             step_time=step_time,
         )
+
+
+# generation_config.json keys that become SamplingParams defaults (vLLM's list, less max_tokens)
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_generation_config(model_dir) -> dict:
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def declared_eos_ids(hf_config, generation_config: dict) -> frozenset[int]:
+    """Every EOS id config.json and generation_config.json declare (an int or a list each)."""
+    ids: set[int] = set()
+    for value in (getattr(hf_config, "eos_token_id", None), generation_config.get("eos_token_id")):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def generation_defaults(generation_config: dict) -> dict:
+    """SamplingParams keyword defaults from generation_config.json (do_sample is not read, as
+    in vLLM)."""
+    return {k: generation_config[k] for k in _GENERATION_DEFAULTS if k in generation_config}
 
 
 def _default_model_name(model: str | None) -> str:

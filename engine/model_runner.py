@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from engine.config import EngineConfig
@@ -17,10 +16,11 @@ from engine.fused_decode import FusedDecode
 from engine.kv_cache_manager import cdiv
 from engine.layers import select_impls
 from engine.logprobs import compute_prompt_logprobs
-from engine.models import get_model_class
+from engine.models import check_model_config, get_model_class
 from engine.outputs import ModelRunnerOutput
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+from engine.weight_loader import load_checked
 from kernels import AttentionMetadata, get_attention_backend
 from kernels.cpu_ops import load_cpu_ops
 
@@ -51,17 +51,7 @@ def load_model(model_dir: Path, hf_config, backend, dtype, device) -> nn.Module:
     """Weights in, then every layer picks its implementation once: on CPU the C++ kernels (when
     they build) and packed bf16 linears, elsewhere the torch oracles."""
     model = get_model_class(hf_config)(hf_config, backend)
-    state: dict[str, torch.Tensor] = {}
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {model_dir}")
-    for f in files:
-        state.update(load_file(f))
-    missing, unexpected = model.load_weights(state)
-    if missing or unexpected:
-        raise ValueError(
-            f"weights do not match the model: missing={missing} unexpected={unexpected}"
-        )
+    load_checked(model, model_dir)  # ValueError naming the file and tensor that do not fit
     model = model.to(device=device, dtype=dtype).eval()
     select_impls(model, load_cpu_ops() if device.type == "cpu" else None)
     return model
@@ -80,6 +70,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             _set_cpu_threads()
         torch.manual_seed(config.seed)
+        check_model_config(hf_config, config.max_model_len)  # one line, before any weight is read
         self.model = load_model(model_dir, hf_config, self.backend, self.dtype, self.device)
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)

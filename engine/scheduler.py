@@ -273,7 +273,9 @@ class Scheduler:
             return True
         if num_output < params.min_tokens:  # min_tokens holds EOS and stop tokens back
             return False
-        if token_id == req.eos_token_id and not params.ignore_eos:
+        if not params.ignore_eos and (
+            token_id == req.eos_token_id or token_id in req.eos_token_ids
+        ):
             req.status = RequestStatus.FINISHED_STOPPED
             return True
         if params.stop_token_ids and token_id in params.stop_token_ids:

@@ -235,3 +235,61 @@ def test_default_model_answers_sensibly(default_model):
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=3, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
+
+
+# ---- bad folders: start-up stops naming the file and the tensor ------------------------------
+def _rewrite_weights(folder: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state = load_file(path)
+    edit(state)
+    save_file(state, path, metadata={"format": "pt"})
+
+
+def _start_error(folder: Path) -> str:
+    from engine import LLM
+
+    with pytest.raises(ValueError) as e:
+        LLM(str(folder), dtype="float32")
+    assert "\n" not in str(e.value)  # one line for the CLI
+    return str(e.value)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    folder = build_tiny_model_dir(tmp_path / "m")
+    _rewrite_weights(folder, lambda s: s.pop("model.layers.1.mlp.down_proj.weight"))
+    msg = _start_error(folder)
+    assert "missing tensor model.layers.1.mlp.down_proj.weight" in msg and str(folder) in msg
+
+
+def test_misshaped_tensor_is_named_with_its_file(tmp_path):
+    import torch
+
+    folder = build_tiny_model_dir(tmp_path / "m")
+    name = "model.layers.0.self_attn.k_proj.weight"
+
+    def edit(state):
+        state[name] = torch.zeros(8, 64)
+
+    _rewrite_weights(folder, edit)
+    msg = _start_error(folder)
+    assert f"model.safetensors: tensor {name} has shape [8, 64]" in msg
+    assert "[32, 64]" in msg  # 2 kv heads x head_dim 16 rows
+
+
+def test_unexpected_tensor_is_named_with_its_file(tmp_path):
+    import torch
+
+    folder = build_tiny_model_dir(tmp_path / "m")
+    _rewrite_weights(folder, lambda s: s.update({"model.extra.weight": torch.zeros(2)}))
+    assert "model.safetensors: unexpected tensor model.extra.weight" in _start_error(folder)
+
+
+def test_tokenizer_larger_than_vocab_is_refused(tmp_path):
+    folder = build_tiny_model_dir(tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["vocab_size"] = 200  # the byte tokenizer has 259 tokens
+    (folder / "config.json").write_text(json.dumps(cfg))
+    msg = _start_error(folder)
+    assert "tokenizer.json" in msg and "259" in msg and "vocab_size is 200" in msg

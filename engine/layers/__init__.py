@@ -10,9 +10,11 @@ from __future__ import annotations
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention, KVCache
 from engine.layers.base import CPU, NATIVE, KernelLayer, select_impls
+from engine.layers.experts import Experts
 from engine.layers.linear import PACKED, Linear
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import ROPE_TYPES, RotaryEmbedding, apply_rope, rope_from_config
+from engine.layers.rotary import RotaryEmbedding, apply_rope
+from engine.layers.rotary_scaling import ROPE_TYPES, check_rope, rope_from_config
 
 __all__ = [
     "CPU",
@@ -20,6 +22,7 @@ __all__ = [
     "PACKED",
     "ROPE_TYPES",
     "Attention",
+    "Experts",
     "KVCache",
     "KernelLayer",
     "Linear",
@@ -27,6 +30,7 @@ __all__ = [
     "RotaryEmbedding",
     "SiluAndMul",
     "apply_rope",
+    "check_rope",
     "rope_from_config",
     "select_impls",
 ]

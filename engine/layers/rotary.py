@@ -5,8 +5,9 @@ attention layer rotates its q and k with it (rope.rotate(q, k)), so cos/sin are 
 step, not once per layer. The oracle computes cos/sin per token; the CPU kernel indexes a cos|sin
 table by position and rotates q and k in place.
 
-A scaling variant is a subclass that overrides inv_freq() (and attention_factor where cos/sin are
-scaled); rope_from_config() maps Hugging Face's rope_type to the class (ROPE_TYPES).
+A scaling variant (engine/layers/rotary_scaling.py) is a subclass that overrides
+inv_freq_values() (and attention_factor where cos/sin are scaled, angles() where the frequencies
+depend on the position); rope_from_config() there maps Hugging Face's rope_type to the class.
 """
 
 from __future__ import annotations
@@ -79,9 +80,12 @@ class RotaryEmbedding(KernelLayer):
         super().bind(impl)
         self.prepare = self.prepare_cpu if self.ops is not None else self.prepare_native
 
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:  # [T] -> [T, D/2] float32
+        return positions.float()[:, None] * self.inv_freq[None, :]
+
     def forward_native(self, positions: torch.Tensor, dtype: torch.dtype):
         """(cos, sin), each [T, 1, D], for the given positions."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        freqs = self.angles(positions)  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
@@ -106,31 +110,10 @@ class RotaryEmbedding(KernelLayer):
         cache = self._cache
         if cache is None or cache.shape[0] < max_len or cache.dtype != dtype:
             n = max(max_len, 2 * (0 if cache is None else cache.shape[0]), 256)
-            freqs = torch.arange(n, device=self.inv_freq.device).float()[:, None] * self.inv_freq
+            freqs = self.angles(torch.arange(n, device=self.inv_freq.device))
             cos, sin = freqs.cos(), freqs.sin()
             if self.attention_factor != 1.0:
                 cos, sin = cos * self.attention_factor, sin * self.attention_factor
             cache = torch.cat((cos.to(dtype), sin.to(dtype)), dim=-1)
             self._cache = cache
         return cache
-
-
-ROPE_TYPES: dict[str, type[RotaryEmbedding]] = {"default": RotaryEmbedding}
-
-
-def rope_from_config(cfg, head_dim: int) -> RotaryEmbedding:
-    """The RotaryEmbedding a Hugging Face config asks for; ValueError for a scaling kind that has
-    no class in ROPE_TYPES yet."""
-    scaling = getattr(cfg, "rope_scaling", None) or getattr(cfg, "rope_parameters", None) or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
-    if kind not in ROPE_TYPES:
-        raise ValueError(f"rope scaling {kind!r} is not supported yet")
-    return ROPE_TYPES[kind](head_dim, rope_theta(cfg))
-
-
-def rope_theta(cfg) -> float:
-    theta = getattr(cfg, "rope_theta", None)
-    if theta:
-        return float(theta)
-    params = getattr(cfg, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", 10000.0))

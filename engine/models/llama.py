@@ -31,15 +31,24 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.head_dim = head_dim_of(cfg)
         self.scale = self.head_dim**-0.5
-        bias = getattr(cfg, "attention_bias", False)
+        qkv_bias, o_bias = self.biases(cfg)
         h, d = cfg.hidden_size, self.head_dim
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         # One GEMM for q, k and v (loaded from HF's q_proj/k_proj/v_proj, see load_weights).
-        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.num_heads * d, h, bias=bias)
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=o_bias)
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, self.scale, backend)
+
+    def biases(self, cfg) -> tuple[bool, bool]:
+        """(q/k/v bias, o bias): Llama's attention_bias sets both."""
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return bias, bias
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k normalisation before RoPE: none in Llama (Qwen3 has one)."""
+        return q, k
 
     def forward(self, x, rope, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
@@ -48,7 +57,7 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope.rotate(q, k)
+        q, k = rope.rotate(*self.norm_qk(q, k))
         return self.o_proj(self.attn(q, k, v, meta, kv_cache))
 
 
@@ -66,10 +75,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    """Families swap the attention or MLP class (attention_cls, mlp_cls) and keep the rest."""
+
+    attention_cls: type[nn.Module] = LlamaAttention
+    mlp_cls: type[nn.Module] = LlamaMLP
+
+    def __init__(self, cfg, backend: AttentionBackend, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = self.attention_cls(cfg, backend)
+        self.mlp = self.make_mlp(cfg, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -83,24 +97,28 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def make_mlp(self, cfg, layer_idx: int) -> nn.Module:
+        return self.mlp_cls(cfg)
+
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, layer_cls: type[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
+            layer_cls(cfg, backend, i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, cfg, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.rotary = rope_from_config(cfg, head_dim)  # raises for an unsupported scaling
-        self.model = LlamaModel(cfg, backend)
+        self.rotary = rope_from_config(cfg, head_dim_of(cfg))  # raises for an unsupported scaling
+        self.model = LlamaModel(cfg, backend, self.decoder_layer_cls)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if getattr(cfg, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -119,6 +137,11 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, rope, meta, kv_cache)
         return self.model.norm(x, residual)[0]
 
+    @classmethod
+    def check_config(cls, cfg, max_model_len: int) -> None:
+        """ValueError for what the config asks and this implementation does not do."""
+        check_no_sliding_window(cfg, max_model_len)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         return self.lm_head(hidden).float()
 
@@ -131,8 +154,9 @@ class LlamaForCausalLM(nn.Module):
         tied = getattr(self.config, "tie_word_embeddings", False)
         if "lm_head.weight" not in state and tied and "model.embed_tokens.weight" in state:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        state = self.rename_weights(state)
         missing: list[str] = []
-        for prefix, fused, parts in _fused_params(len(self.model.layers), state):
+        for prefix, fused, parts in _fused_params(self.model.layers, state):
             got = [state.pop(f"{prefix}.{p}", None) for p in parts]
             if any(g is None for g in got):
                 missing += [f"{prefix}.{p}" for p, g in zip(parts, got) if g is None]
@@ -142,14 +166,43 @@ class LlamaForCausalLM(nn.Module):
         missing += [m for m in result.missing_keys if not m.startswith("rotary.")]
         return missing, list(result.unexpected_keys)
 
+    def rename_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Families whose checkpoints name or pack tensors differently convert them here."""
+        return state
 
-def _fused_params(num_layers: int, state: dict[str, torch.Tensor]):
-    """(module prefix, fused param name, HF param names stacked into it in order)."""
-    for i in range(num_layers):
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def check_no_sliding_window(cfg, max_model_len: int) -> None:
+    """Sliding-window attention is not implemented. A window no shorter than max_model_len never
+    hides a token (full attention is the same), so only a shorter one is refused."""
+    window = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "use_sliding_window", True) is False:
+        window = None
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []) and window is None:
+        window = 0
+    if window is not None and window < max_model_len:
+        arch = (getattr(cfg, "architectures", None) or ["this model"])[0]
+        raise ValueError(
+            f"{arch}: sliding_window={window} is shorter than max_model_len={max_model_len} and "
+            f"sliding-window attention is not supported yet; serve it with --max-model-len "
+            f"{window} or less, or a checkpoint with sliding_window null"
+        )
+
+
+def _fused_params(layers: nn.ModuleList, state: dict[str, torch.Tensor]):
+    """(module prefix, fused param name, HF param names stacked into it in order), for the
+    fused projections a layer has and the checkpoint stores apart (Phi-3 stores them fused)."""
+    for i, layer in enumerate(layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        # decided before yielding: the caller adds the fused names to state as it goes
+        split_qkv = f"{attn}.qkv_proj.weight" not in state
+        dense = isinstance(getattr(layer.mlp, "gate_up_proj", None), Linear)
+        split_mlp = dense and f"{mlp}.gate_up_proj.weight" not in state
         for kind in ("weight", "bias"):
-            attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-            qkv = [f"{p}_proj.{kind}" for p in "qkv"]
-            if kind == "weight" or f"{attn}.q_proj.bias" in state:
-                yield attn, f"qkv_proj.{kind}", qkv
-            if kind == "weight" or f"{mlp}.gate_proj.bias" in state:
+            if split_qkv and (kind == "weight" or f"{attn}.q_proj.bias" in state):
+                yield attn, f"qkv_proj.{kind}", [f"{p}_proj.{kind}" for p in "qkv"]
+            if split_mlp and (kind == "weight" or f"{mlp}.gate_proj.bias" in state):
                 yield mlp, f"gate_up_proj.{kind}", [f"gate_proj.{kind}", f"up_proj.{kind}"]

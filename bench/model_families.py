@@ -1,0 +1,124 @@
+"""Prefill and decode tokens/s of pagedserve against transformers, per model family, one run.
+
+For each family's tiny random-weight model (the builders of tests/test_model_families.py) and the
+default model, both engines run the same weights in the same dtype on the same token ids:
+
+- prefill: NUM_SEQS prompts of PROMPT_LEN tokens, one output token (pagedserve: LLM.generate;
+  transformers: one forward of the padded-free [NUM_SEQS, PROMPT_LEN] batch);
+- decode: the same prompts with DECODE_LEN greedy tokens, minus the prefill time, over
+  NUM_SEQS * (DECODE_LEN - 1) tokens (transformers: generate on the static batch).
+
+A family that falls off the CPU fast path shows up as a pagedserve / transformers ratio far
+below the others'. Ratios compare within one run only (the host is shared).
+
+    python bench/model_families.py [--dtype bfloat16] [--families qwen2,phi3] [--no-default]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+NUM_SEQS, PROMPT_LEN, DECODE_LEN = 8, 128, 32
+
+
+def _families_module():
+    sys.path.insert(0, str(TESTS))  # the test builders import conftest by name
+    spec = importlib.util.spec_from_file_location("families", TESTS / "test_model_families.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, min(vocab, 259), (NUM_SEQS, PROMPT_LEN), generator=gen)
+    return ids.tolist()
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_pagedserve(path: Path, dtype: str, prompts) -> tuple[float, float]:
+    from engine import LLM, SamplingParams
+
+    # no prefix caching: every run prefills its prompts again
+    llm = LLM(str(path), dtype=dtype, max_num_batched_tokens=2048, enable_prefix_caching=False)
+
+    def run(n: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        llm.generate(prompts, params, use_tqdm=False)
+
+    run(2)  # warm-up (kernels, packing)
+    prefill = _timed(lambda: run(1))
+    total = _timed(lambda: run(DECODE_LEN))
+    return _rates(prefill, total)
+
+
+def bench_transformers(path: Path, dtype: str, prompts) -> tuple[float, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+
+    def generate(n: int) -> None:
+        with torch.inference_mode():
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False
+            )
+
+    generate(2)
+    prefill = _timed(lambda: generate(1))
+    total = _timed(lambda: generate(DECODE_LEN))
+    return _rates(prefill, total)
+
+
+def _rates(prefill_s: float, total_s: float) -> tuple[float, float]:
+    decode_s = max(total_s - prefill_s, 1e-9)
+    return NUM_SEQS * PROMPT_LEN / prefill_s, NUM_SEQS * (DECODE_LEN - 1) / decode_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--families", default=None, help="comma-separated; default all")
+    parser.add_argument("--no-default", action="store_true", help="skip the default model")
+    args = parser.parse_args()
+    fam = _families_module()
+    names = args.families.split(",") if args.families else fam.MAIN_FAMILIES
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        models = [(n, fam.build_family_dir(Path(tmp) / n, n)) for n in names]
+        if not args.no_default:
+            from engine.model_loader import resolve_model
+
+            models.append(("default (SmolLM2-135M)", resolve_model(None)))
+        for name, path in models:
+            from transformers import AutoConfig
+
+            prompts = _prompts(AutoConfig.from_pretrained(path).vocab_size)
+            ps = bench_pagedserve(path, args.dtype, prompts)
+            hf = bench_transformers(path, args.dtype, prompts)
+            rows.append((name, ps, hf))
+            print(f"done {name}", file=sys.stderr, flush=True)
+    print(f"dtype {args.dtype}, {NUM_SEQS} seqs x {PROMPT_LEN} prompt tokens, {DECODE_LEN} decode")
+    print("| model | prefill tok/s ps | hf | ps/hf | decode tok/s ps | hf | ps/hf |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (pp, pd), (hp, hd) in rows:
+        cells = f"{pp:.0f} | {hp:.0f} | {pp / hp:.2f} | {pd:.0f} | {hd:.0f} | {pd / hd:.2f}"
+        print(f"| {name} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
