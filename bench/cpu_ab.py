@@ -18,8 +18,8 @@ import argparse
 import random
 import time
 
-import kernels.cpu_linear as cpu_linear
 import kernels.cpu_backend as cpu_backend
+import kernels.cpu_linear as cpu_linear
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 

@@ -1,11 +1,15 @@
-"""Soak: steady mixed load with random client aborts against a live server (not a CI test).
+"""Memory soak: mixed load with client aborts and KV preemption against a server (not a test).
 
-    python bench/soak.py                      # tiny random-weight model, 5 minutes
-    python bench/soak.py --model DIR --duration 600 --concurrency 16
-    python bench/soak.py --url http://127.0.0.1:8000   # an already running server
+    python bench/soak.py                      # tiny random-weight model, 30 minutes
+    python bench/soak.py --minutes 5 --concurrency 16 --model DIR
+    python bench/soak.py --url http://127.0.0.1:8000 --pid PID   # a running server (no heap)
 
-Reports requests served, failures (target 0), p50/p99 latency, the server's RSS and the KV
-free blocks at start and end (target: no growth, every block free once idle).
+The server it starts gets a KV pool too small for its load (--num-gpu-blocks-override), so
+requests are preempted and recomputed throughout, and runs under tracemalloc: every
+--sample-every seconds the soak records the server's RSS and a heap snapshot (SIGUSR1 makes the
+server dump one). Reports requests served, failures (target 0), preemptions, p50/p99 latency,
+the RSS curve, the Python heap's biggest growers between the first and the last snapshot, and
+the KV free blocks at start and end (target: every block free once idle).
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 from types import ModuleType
 from urllib.parse import urlparse
@@ -29,10 +36,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["_traced_serve"]:  # the started server: tracemalloc, then serve
+        traced_serve(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
+        return
     args = parse_args()
-    server, url = start_server(args) if args.url is None else (None, args.url.rstrip("/"))
+    heap_dir = Path(tempfile.mkdtemp(prefix="soak-heap-")) if args.url is None else None
+    server, url = start_server(args, heap_dir) if heap_dir else (None, args.url.rstrip("/"))
     try:
-        report = asyncio.run(soak(url, args, server.pid if server else args.pid))
+        report = asyncio.run(soak(url, args, server.pid if server else args.pid, heap_dir))
     finally:
         if server is not None:
             server.terminate()
@@ -40,26 +51,53 @@ def main() -> None:
     print(json.dumps(report, indent=2))
 
 
+def traced_serve(heap_dir: Path, frames: int, serve_args: list[str]) -> None:
+    """pagedserve serve under tracemalloc; each SIGUSR1 dumps heap_dir/<n>.snap."""
+    tracemalloc.start(frames)
+    count = 0
+
+    def dump(_sig, _frame) -> None:
+        nonlocal count
+        tracemalloc.take_snapshot().dump(str(heap_dir / f"{count:04d}.snap"))
+        count += 1
+
+    signal.signal(signal.SIGUSR1, dump)
+    from server.cli import main as serve_main
+
+    serve_main(["serve", *serve_args])
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", help="a running server; omitted: start one")
     p.add_argument("--pid", type=int, help="with --url: the server's pid, for RSS")
     p.add_argument("--model", help="model for the started server; default: tiny random Llama")
-    p.add_argument("--duration", type=float, default=300.0, help="seconds of load")
+    p.add_argument("--minutes", type=float, default=30.0, help="minutes of load")
     p.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=48,
+        help="KV blocks of the started server: fewer than the load needs, so it preempts",
+    )
+    p.add_argument("--sample-every", type=float, default=30.0, help="seconds between samples")
+    p.add_argument("--trace-frames", type=int, default=1, help="tracemalloc frames per block")
+    p.add_argument("--top", type=int, default=15, help="heap growers to report")
     p.add_argument("--abort-fraction", type=float, default=0.25)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, heap_dir: Path) -> tuple[subprocess.Popen, str]:
     model = args.model or str(build_tiny_model())
     port = load_test_builders().free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", model, "--port", str(port)]
-    cmd += ["--dtype", "float32", "--log-level", "warning"]
+    cmd = [sys.executable, __file__, "_traced_serve", str(heap_dir), str(args.trace_frames)]
+    cmd += [model, "--port", str(port), "--dtype", "float32", "--log-level", "warning"]
+    cmd += ["--num-gpu-blocks-override", str(args.num_blocks)]
     log = open(Path(tempfile.gettempdir()) / f"soak-server-{port}.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -116,8 +154,65 @@ def gauges(text: str) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith("pagedserve:") and "{" in line:
             name = line.split("{", 1)[0].removeprefix("pagedserve:")
-            out[name] = float(line.rsplit(" ", 1)[1])
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+class Sampler:
+    """RSS and (for a started server) a heap snapshot every `every` seconds of load."""
+
+    def __init__(self, pid: int | None, heap_dir: Path | None, every: float) -> None:
+        self.pid, self.heap_dir, self.every = pid, heap_dir, every
+        self.t0 = time.monotonic()
+        self.curve: list[dict] = []
+        self.num_snapshots = 0
+
+    async def sample(self, tally: Tally) -> None:
+        point = {"t_s": round(time.monotonic() - self.t0), "rss_mib": rss_mib(self.pid)}
+        self.curve.append({**point, "served": tally.served, "aborted": tally.aborted})
+        if self.heap_dir is not None and self.pid is not None:
+            os.kill(self.pid, signal.SIGUSR1)
+            await self._wait_snapshot(self.num_snapshots)
+            self.num_snapshots += 1
+
+    async def _wait_snapshot(self, n: int, timeout: float = 120.0) -> None:
+        path, deadline = self.heap_dir / f"{n:04d}.snap", time.monotonic() + timeout
+        last_size = -1
+        while time.monotonic() < deadline:  # dump() writes in place: wait until the size settles
+            size = path.stat().st_size if path.exists() else -1
+            if size > 0 and size == last_size:
+                return
+            last_size = size
+            await asyncio.sleep(0.5)
+
+    async def run(self, tally: Tally, t_end: float) -> None:
+        while time.monotonic() + self.every < t_end:
+            await asyncio.sleep(self.every)
+            await self.sample(tally)
+
+    def growers(self, top: int) -> list[dict]:
+        """The heap's biggest growers from the first snapshot (after warm-up) to the last."""
+        if self.heap_dir is None or self.num_snapshots < 2:
+            return []
+        first = tracemalloc.Snapshot.load(str(self.heap_dir / "0000.snap"))
+        last_path = self.heap_dir / f"{self.num_snapshots - 1:04d}.snap"
+        last = tracemalloc.Snapshot.load(str(last_path))
+        heap = {"first_mib": _mib(first), "last_mib": _mib(last)}
+        stats = last.compare_to(first, "lineno")[:top]
+        rows = [
+            {
+                "where": str(s.traceback[0]),
+                "size_diff_kib": round(s.size_diff / 1024, 1),
+                "count_diff": s.count_diff,
+                "size_kib": round(s.size / 1024, 1),
+            }
+            for s in stats
+        ]
+        return [heap, *rows]
+
+
+def _mib(snapshot: tracemalloc.Snapshot) -> float:
+    return round(sum(s.size for s in snapshot.statistics("filename")) / 2**20, 2)
 
 
 # ---- load ---------------------------------------------------------------------------------------
@@ -128,31 +223,41 @@ class Tally:
         self.failures: list[str] = []
 
 
-async def soak(url: str, args: argparse.Namespace, pid: int | None) -> dict:
+async def soak(url: str, args: argparse.Namespace, pid: int | None, heap_dir) -> dict:
     rng = random.Random(args.seed)
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        await one_request(client, rng, args, Tally())  # warm-up
+        warm = Tally()
+        for _ in range(4):  # warm-up: first-use allocations stay out of the growth
+            await one_request(client, rng, args, warm)
         start = {"rss_mib": rss_mib(pid), "kv": await kv_blocks(client)}
-        tally, t_end = Tally(), time.monotonic() + args.duration
+        preempted_before = gauges((await client.get("/metrics")).text).get("num_preemptions_total")
+        tally, t_end = Tally(), time.monotonic() + args.minutes * 60
+        sampler = Sampler(pid, heap_dir, args.sample_every)
+        await sampler.sample(tally)
         workers = [
             worker(client, url, random.Random(rng.random()), args, tally, t_end)
             for _ in range(args.concurrency)
         ]
-        await asyncio.gather(*workers)
+        await asyncio.gather(sampler.run(tally, t_end), *workers)
         end = {"rss_mib": rss_mib(pid), "kv": await kv_blocks(client)}
+        await sampler.sample(tally)  # idle, after the load
+        preempted = gauges((await client.get("/metrics")).text).get("num_preemptions_total")
     lat = sorted(tally.latencies)
     pct = lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))], 3) if lat else None
     return {
-        "duration_s": args.duration,
+        "minutes": args.minutes,
         "concurrency": args.concurrency,
         "requests_served": tally.served,
         "requests_aborted_by_client": tally.aborted,
         "failures": len(tally.failures),
         "failure_samples": tally.failures[:5],
+        "preemptions": (preempted or 0) - (preempted_before or 0),
         "latency_p50_s": pct(0.50),
         "latency_p99_s": pct(0.99),
         "start": start,
         "end": end,
+        "rss_curve": sampler.curve,
+        "heap_growers": sampler.growers(args.top),
     }
 
 

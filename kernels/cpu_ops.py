@@ -76,8 +76,12 @@ def sources(csrc: Path = CSRC) -> list[Path]:
 
 def build_key(csrc: Path = CSRC) -> str:
     """Name of the build directory: a hash of every source and header in csrc (names and bytes),
-    the torch version, the compiler flags and this CPU's flags."""
+    their folder, the torch version, the compiler flags and this CPU's flags.
+
+    The folder is part of the key because ninja rebuilds when a source's path changes: two
+    checkouts of the same sources sharing one build directory would rebuild it in turn."""
     key = hashlib.sha256()
+    key.update(str(csrc.resolve()).encode())
     for path in sorted([*csrc.glob("*.cpp"), *csrc.glob("*.h")]):
         data = path.read_bytes()
         # length-prefixed, so moving text from one file to the next changes the key too

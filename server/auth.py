@@ -4,7 +4,8 @@ Only the exact paths below are public; everything else (every /v1/* route, /toke
 /detokenize, /openapi.json, /docs, any unknown or oddly spelled path, any method including
 OPTIONS) needs `Authorization: Bearer <key>` when a key is set. Exact matching on the decoded
 path the router itself sees means trailing slashes, case variants, `..` segments and double
-slashes can only land on the protected side.
+slashes can only land on the protected side. (The guard itself maps exactly `/health/` and
+`/ping/` to `/health` and `/ping` before this check: probes are often written with the slash.)
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import sys
@@ -65,8 +66,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM, seconds in-flight requests get to finish before they are failed",
+        help="on SIGTERM, seconds in-flight requests get to finish before they are failed; "
+        "0: fail them at once",
     )
+    _add_connection_args(p)
     p.add_argument(
         "--engine-stall-timeout",
         type=float,
@@ -94,6 +97,43 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="seconds a structured-output grammar may take to compile; slower ones get 400",
     )
     p.add_argument("--log-level", default="info")
+
+
+def _add_connection_args(p: argparse.ArgumentParser) -> None:
+    """Connection-level limits (server/connection_guard.py); names follow uvicorn's flags."""
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=65.0,
+        help="seconds an idle keep-alive connection stays open; longer than client pools and "
+        "load balancers keep idle connections, so reuse does not race the close",
+    )
+    p.add_argument(
+        "--timeout-request-header",
+        type=float,
+        default=20.0,
+        help="seconds a request's headers may take (from the accept, or from the first byte "
+        "on a reused connection); then 408 and close",
+    )
+    p.add_argument(
+        "--timeout-request-body",
+        type=float,
+        default=60.0,
+        help="seconds a request's body may take after its headers; then 408 and close",
+    )
+    p.add_argument(
+        "--limit-connections",
+        type=int,
+        help="open connections beyond which new ones get 503; default and upper bound: the "
+        "descriptor limit (ulimit -n) less a reserve",
+    )
+    p.add_argument(
+        "--limit-concurrency",
+        type=int,
+        help="requests in flight beyond which new ones get 503 (/health, /ping, /metrics, "
+        "/version exempt); default: bounded by the connections only",
+    )
+    p.add_argument("--backlog", type=int, default=2048, help="listen() backlog")
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
@@ -129,11 +169,13 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from server.connection_guard import protocol_class
     from server.lifecycle import LifecycleSettings, SwitchApp, run_server
     from server.middleware import GuardMiddleware, ServerState
 
     state, switch = ServerState(), SwitchApp()
     guard = GuardMiddleware(switch, guard_settings(args), state)
+    limits = connection_limits(args)
     # lifespan off: the app is built after the socket opens, so it has no startup hook to run.
     config = uvicorn.Config(
         guard,
@@ -142,9 +184,25 @@ def serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         lifespan="off",
         timeout_graceful_shutdown=5,
+        http=protocol_class(limits, state.connections, state.log),
+        timeout_keep_alive=args.timeout_keep_alive,
+        backlog=args.backlog,
     )
     settings = LifecycleSettings(args.shutdown_timeout, args.engine_stall_timeout)
-    return asyncio.run(run_server(config, switch, state, lambda: build_server(args), settings))
+    build = lambda: build_server(args, state)
+    return asyncio.run(run_server(config, switch, state, build, settings))
+
+
+def connection_limits(args: argparse.Namespace):
+    from server.connection_guard import ConnectionLimits
+
+    return ConnectionLimits(
+        timeout_keep_alive=args.timeout_keep_alive,
+        timeout_request_header=args.timeout_request_header,
+        timeout_request_body=args.timeout_request_body,
+        limit_connections=args.limit_connections,
+        limit_concurrency=args.limit_concurrency,
+    )
 
 
 def guard_settings(args: argparse.Namespace):
@@ -155,10 +213,12 @@ def guard_settings(args: argparse.Namespace):
         protect_metrics=args.protect_metrics,
         max_request_body_bytes=args.max_request_body_bytes,
         request_timeout=args.request_timeout,
+        timeout_request_body=args.timeout_request_body,
+        limit_concurrency=args.limit_concurrency,
     )
 
 
-def build_server(args: argparse.Namespace):
+def build_server(args: argparse.Namespace, state=None):
     """Loads the model and builds the app (on the loader thread); returns (engine, app)."""
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
@@ -168,6 +228,8 @@ def build_server(args: argparse.Namespace):
     engine = LLMEngine(engine_config(args))
     print(f"pagedserve: attention backend: {engine.runner.backend.name}", flush=True)
     metrics = Metrics(engine.model_name)
+    if state is not None:
+        metrics.watch_connections(state.connections)
     metrics.observe(engine.snapshot_stats())  # block gauges read true before the first step
     async_engine = AsyncEngine(engine, metrics.observe, args.max_num_queued_reqs)
     parser = args.tool_call_parser if args.enable_auto_tool_choice else None
@@ -177,6 +239,9 @@ def build_server(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> None:
+    # A native fault (SIGSEGV in a C++ kernel, SIGBUS, SIGFPE, SIGABRT, SIGILL) leaves every
+    # thread's Python stack on stderr before the process dies by that signal.
+    faulthandler.enable(all_threads=True)
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -194,12 +259,18 @@ def main(argv: list[str] | None = None) -> None:
 def _check_serve_args(args: argparse.Namespace) -> None:
     try:
         engine_config(args)  # flag errors surface before the socket opens
-        for name in ("shutdown_timeout", "engine_stall_timeout", "request_timeout"):
+        positive = ("engine_stall_timeout", "request_timeout", "timeout_keep_alive")
+        positive += ("timeout_request_header", "timeout_request_body")
+        for name in positive:
             value = getattr(args, name)
             if value is not None and value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
-        if args.max_request_body_bytes < 1:
-            raise ValueError("--max-request-body-bytes must be positive")
+        if args.shutdown_timeout < 0:
+            raise ValueError("--shutdown-timeout must be 0 (abort at once) or positive")
+        for name in ("max_request_body_bytes", "limit_connections", "limit_concurrency"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if args.enable_auto_tool_choice and not args.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     except ValueError as e:

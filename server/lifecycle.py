@@ -2,13 +2,15 @@
 
 start --> listening, /health 503 (loading) --> ready, /health 200
   ready --SIGTERM--> draining: new requests 503, in-flight ones run on --> exit 0
-                     (after --shutdown-timeout the rest are failed, then exit 0)
+                     (after --shutdown-timeout the rest are failed, then exit 0;
+                      --shutdown-timeout 0 fails them at once)
   ready --engine loop died or hung--> pending requests fail, /health 503 --> exit 1
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import signal
 import sys
@@ -20,10 +22,21 @@ from types import FrameType
 
 import uvicorn
 
+from server.connection_guard import install_accept_error_log
 from server.middleware import ServerState, send_error
 
 logger = logging.getLogger(__name__)
 
+# Modules the request path would otherwise import on first use (anyio's streams, a codec): an
+# import needs descriptors, and a first request under descriptor exhaustion must not fail on
+# one. tests/test_hardening.py runs every route under PYTHONPROFILEIMPORTTIME to keep this whole.
+REQUEST_PATH_MODULES = (
+    "anyio._core._sockets",
+    "anyio._core._streams",
+    "anyio.streams.memory",
+    "anyio.streams.stapled",
+    "encodings.unicode_escape",
+)
 EXIT_GRACE_S = 2.0  # after an engine failure: streams flush their error event, /health reads 503
 SUPERVISE_INTERVAL_S = 0.1
 
@@ -153,6 +166,9 @@ async def run_server(
     settings: LifecycleSettings,
 ) -> int:
     """Serves until drained or failed; returns the exit code. Loading starts once listening."""
+    install_accept_error_log(asyncio.get_running_loop(), state.log)
+    for name in REQUEST_PATH_MODULES:
+        importlib.import_module(name)
     server = DrainingServer(config, state)
     loader = Loader(build)
     serve_task = asyncio.create_task(server.serve())

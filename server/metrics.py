@@ -17,6 +17,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.outputs import RequestMetrics, StepStats
 
@@ -229,8 +230,41 @@ class Metrics:
             self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
         log_finished_request(m, reason)
 
+    def watch_connections(self, stats) -> None:
+        """Exposes a server/connection_guard.ConnectionStats, read at scrape time."""
+        self.registry.register(_ConnectionCollector(stats, self.model_name))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ConnectionCollector:
+    """The connection guard's plain counters as Prometheus families (no locks on its path)."""
+
+    def __init__(self, stats, model_name: str) -> None:
+        self.stats, self.model_name = stats, model_name
+
+    def collect(self):
+        name = self.model_name
+        open_ = GaugeMetricFamily(
+            P + "http_connections_open", "Open HTTP connections.", labels=["model_name"]
+        )
+        open_.add_metric([name], self.stats.num_open)
+        slow = CounterMetricFamily(
+            P + "http_slow_clients_closed",
+            "Connections closed for missing a header or body deadline (idle: no byte at all).",
+            labels=["model_name", "phase"],
+        )
+        for phase, count in self.stats.slow_clients_closed.items():
+            slow.add_metric([name, phase], count)
+        rejected = CounterMetricFamily(
+            P + "http_connections_rejected",
+            "Connections or requests refused with 503 at --limit-connections/--limit-concurrency.",
+            labels=["model_name", "reason"],
+        )
+        for reason, count in self.stats.rejected.items():
+            rejected.add_metric([name, reason], count)
+        return [open_, slow, rejected]
 
 
 def log_finished_request(m: RequestMetrics, reason: str) -> None:

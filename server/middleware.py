@@ -1,9 +1,13 @@
-"""One ASGI guard in front of the app: drain, auth, body limit, disconnect abort, request timeout.
+"""One ASGI guard in front of the app: drain, auth, limits, body deadline, disconnects, timeout.
 
 Pure ASGI (no BaseHTTPMiddleware) so cancelling the route on a disconnect or a timeout reaches
 the engine's async generator, whose `finally` aborts the request and frees its KV blocks:
 
-    client --> drain 503 --> auth 401 --> body limit 413 --> [route | disconnect watcher | timer]
+    client --> drain 503 --> auth 401 --> concurrency 503 --> body limit 413 / deadline 408
+           --> [route | disconnect watcher | timer]
+
+Connection-level deadlines (idle, headers) and the connection cap sit below, in
+server/connection_guard.py.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import re
 from dataclasses import dataclass
 
 from server.auth import is_authorized, is_public
+from server.connection_guard import ConnectionStats, RateLimitedLog
 from server.serving_errors import RETRY_AFTER_S, error_bytes
 
 logger = logging.getLogger(__name__)
@@ -23,6 +28,10 @@ Scope = dict
 Message = dict
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# Probes are often written with a trailing slash; these answer exactly as the plain paths.
+PATH_ALIASES = {"/health/": "/health", "/ping/": "/ping"}
+# Cheap routes a load balancer or scraper needs most when the server is saturated.
+UNCAPPED_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 
 
 @dataclass(frozen=True)
@@ -31,14 +40,18 @@ class GuardSettings:
     protect_metrics: bool = False
     max_request_body_bytes: int = 4 * 1024 * 1024
     request_timeout: float | None = None  # seconds from arrival to the last byte; None: no limit
+    timeout_request_body: float | None = 60.0  # seconds from the headers to the body's end
+    limit_concurrency: int | None = None  # requests in flight beyond which new ones get 503
 
 
 class ServerState:
-    """What the lifecycle supervisor and the guard share (event-loop thread only)."""
+    """What the lifecycle supervisor, the guard and the connection protocol share (event loop)."""
 
     def __init__(self) -> None:
         self.draining = False
         self.num_inflight = 0
+        self.connections = ConnectionStats()
+        self.log = RateLimitedLog()
 
 
 async def send_error(
@@ -70,6 +83,9 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
+        if path in PATH_ALIASES:
+            path = PATH_ALIASES[path]
+            scope = {**scope, "path": path, "raw_path": path.encode()}
         if self.state.draining and path != "/metrics":
             close = [(b"connection", b"close")]
             await send_error(send, 503, "server is shutting down", "ServiceUnavailableError", close)
@@ -83,6 +99,14 @@ class GuardMiddleware:
                     send, 401, msg, "AuthenticationError", challenge, code="invalid_api_key"
                 )
                 return
+        limit = self.settings.limit_concurrency
+        if limit is not None and self.state.num_inflight >= limit and path not in UNCAPPED_PATHS:
+            self.state.connections.rejected["limit_concurrency"] += 1
+            msg = f"{limit} requests in flight: refusing new ones with 503"
+            self.state.log.warning("limit_concurrency", msg)
+            busy = "the server is at its concurrency limit"
+            await send_error(send, 503, busy, "ServiceUnavailableError")
+            return
         self.state.num_inflight += 1
         try:
             await self._guarded(scope, receive, send)
@@ -91,7 +115,14 @@ class GuardMiddleware:
 
     async def _guarded(self, scope: Scope, receive, send) -> None:
         try:
-            body = await self._read_body(scope, receive)
+            async with asyncio.timeout(self.settings.timeout_request_body):
+                body = await self._read_body(scope, receive)
+        except TimeoutError:
+            self.state.connections.slow_clients_closed["body"] += 1
+            limit = self.settings.timeout_request_body
+            msg = f"request body not received within {limit:g} s"
+            await send_error(send, 408, msg, "TimeoutError", [(b"connection", b"close")])
+            return
         except BodyTooLarge:
             limit = self.settings.max_request_body_bytes
             msg = f"request body exceeds the limit of {limit} bytes"

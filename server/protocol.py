@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer
 
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.structured_output import GrammarError, GrammarSpec
@@ -126,7 +126,7 @@ class SamplingRequest(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None  # strict: a JSON true is no token id
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
@@ -199,7 +199,7 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
@@ -283,7 +283,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 # ---- responses -------------------------------------------------------------------------------

@@ -17,6 +17,19 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+def pytest_sessionstart(session) -> None:
+    """Build the CPU kernels once, before any test's server starts: a first build takes minutes
+    on two cores, longer than a server's start-up deadline (each server would race to build)."""
+    import time
+
+    from kernels.cpu_ops import load_cpu_ops
+
+    start = time.monotonic()
+    ops = load_cpu_ops()
+    took = time.monotonic() - start
+    print(f"CPU kernels: {'built or loaded' if ops is not None else 'unavailable'} in {took:.0f}s")
+
+
 def build_byte_tokenizer():
     """A byte-level BPE tokenizer with no merges: every UTF-8 byte is one token (ids 3..258)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -155,7 +168,7 @@ class ServerProcess:
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
 
-    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
+    def wait_ready(self, timeout: float = 300.0) -> ServerProcess:
         import time
 
         import httpx

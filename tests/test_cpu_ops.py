@@ -1123,21 +1123,22 @@ def test_argmax_rows_matches_torch_argmax(ops, vocab):
 
 def test_build_key_changes_with_every_source_and_header(tmp_path):
     """Editing any one .cpp or .h of kernels/csrc/ moves the build to a new directory (a rebuild),
-    and so does adding a file; a copy of the folder hashes like the folder."""
+    and so does adding a file; a copy of the folder elsewhere builds in a directory of its own
+    (ninja rebuilds whenever a source's path changes, so two checkouts must not share one)."""
     csrc = tmp_path / "csrc"
     shutil.copytree(CSRC, csrc)
     files = sorted([*csrc.glob("*.cpp"), *csrc.glob("*.h")])
     assert {path.suffix for path in files} == {".cpp", ".h"}
     base = build_key(csrc)
-    assert base == build_key(CSRC)
-    keys = {base}
+    assert base != build_key(CSRC)
+    keys = {base, build_key(CSRC)}
     for path in files:
         text = path.read_bytes()
         path.write_bytes(text + b"\n// edited\n")
         keys.add(build_key(csrc))
         path.write_bytes(text)
         assert build_key(csrc) == base
-    assert len(keys) == len(files) + 1, "some file's edit left the build key unchanged"
+    assert len(keys) == len(files) + 2, "some file's edit left the build key unchanged"
     (csrc / "new_family.cpp").write_text("// a kernel family added later\n")
     assert build_key(csrc) not in keys
 
