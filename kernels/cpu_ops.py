@@ -13,6 +13,8 @@ turns the kernels off.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -43,19 +45,32 @@ def load_cpu_ops():
 
         build_dir = _build_dir()
         _ensure_ninja_on_path()
-        load(
-            name="pagedserve_cpu_ops",
-            sources=[str(path) for path in sources()],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        with build_lock(build_dir):
+            load(
+                name="pagedserve_cpu_ops",
+                sources=[str(path) for path in sources()],
+                extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch path still works
         logger.warning("CPU kernels unavailable, using plain torch ops (%s)", exc)
         return None
     return torch.ops.pagedserve_cpu
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """One builder per directory at a time, under an flock the kernel drops if its holder dies.
+
+    torch's own lock is a file that a killed build leaves behind, and every later start would
+    wait on it forever; holding the flock means no build is running, so that file is stale."""
+    with open(build_dir / ".build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
 
 
 def _ensure_ninja_on_path() -> None:

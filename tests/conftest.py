@@ -183,7 +183,10 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log()}")
+        log = self.log()
+        self.proc.kill()  # never ready: the fixture that started it will not get to stop it
+        self.proc.wait()
+        raise TimeoutError(f"server not ready in {timeout}s:\n{log}")
 
     def log(self) -> str:
         self._log.flush()

@@ -1169,3 +1169,26 @@ def test_package_ships_every_source_and_header():
     assert any(name.endswith(".h") for name in needed)
     missing = [name for name in needed if not any(fnmatch.fnmatch(name, p) for p in patterns)]
     assert not missing, f"not in [tool.setuptools.package-data] kernels: {missing}"
+
+
+def test_build_lock_clears_a_dead_builds_lock_and_admits_one_builder_at_a_time(tmp_path):
+    """A build killed half way leaves torch's `lock` file behind; the next start must not wait on
+    it forever. While one process holds the build lock, another cannot take it."""
+    import subprocess
+    import sys
+
+    from kernels.cpu_ops import build_lock
+
+    (tmp_path / "lock").write_text("left by a build that was killed")
+    probe = (
+        "import fcntl, sys\n"
+        f"h = open({str(tmp_path / '.build.flock')!r}, 'w')\n"
+        "try:\n    fcntl.flock(h, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept OSError:\n"
+        "    sys.exit(3)\n"
+    )
+    with build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        held = subprocess.run([sys.executable, "-c", probe], timeout=60)
+        assert held.returncode == 3, "a second builder got the lock while the first held it"
+    free = subprocess.run([sys.executable, "-c", probe], timeout=60)
+    assert free.returncode == 0
