@@ -345,6 +345,10 @@ EXPECTED_FAMILIES = {
     "request_prompt_tokens": "histogram",
     "request_generation_tokens": "histogram",
     "iteration_tokens_total": "histogram",
+    # connection guard (server/connection_guard.py): our own, beside vLLM's names
+    "http_connections_open": "gauge",
+    "http_slow_clients_closed": "counter",
+    "http_connections_rejected": "counter",
 }
 VLLM_BUCKETS = {
     "time_to_first_token_seconds": TTFT_BUCKETS,
