@@ -78,7 +78,9 @@ def _structured_outputs_spec(value: Any) -> GrammarSpec:
     given = {k: v for k, v in value.items() if v is not None and v is not False}
     unsupported = sorted(set(given) - set(_STRUCTURED_OUTPUT_KEYS))
     if unsupported:
-        raise SamplingParamsError(param, f"structured_outputs.{unsupported[0]} is not supported")
+        accepted = ", ".join(_STRUCTURED_OUTPUT_KEYS)
+        msg = f"structured_outputs.{unsupported[0]} is not supported; accepted: {accepted}"
+        raise SamplingParamsError(param, msg)
     if len(given) != 1:
         keys = ", ".join(_STRUCTURED_OUTPUT_KEYS)
         raise SamplingParamsError(param, f"structured_outputs needs exactly one of {keys}")
@@ -102,7 +104,9 @@ def response_format_spec(fmt: dict | None, param: str = "response_format") -> Gr
         if schema is None:
             raise SamplingParamsError(param, "response_format.json_schema.schema is required")
         return _spec_from("json", schema, param)
-    raise SamplingParamsError(param, f"response_format type {kind!r} is not supported")
+    accepted = "text, json_object, json_schema"
+    msg = f"response_format type {kind!r} is not supported; accepted: {accepted}"
+    raise SamplingParamsError(param, msg)
 
 
 class SamplingRequest(BaseModel):
@@ -209,9 +213,11 @@ class CompletionRequest(SamplingRequest):
 
     def to_sampling_params(self) -> SamplingParams:
         if self.best_of is not None and self.best_of != 1:
-            raise SamplingParamsError("best_of", "best_of other than 1 is not supported")
+            msg = f"best_of {self.best_of} is not supported; accepted: 1 (or leave it unset)"
+            raise SamplingParamsError("best_of", msg)
         if self.suffix is not None:
-            raise SamplingParamsError("suffix", "suffix is not supported")
+            msg = f"suffix is not supported (got {len(self.suffix)} characters); leave it unset"
+            raise SamplingParamsError("suffix", msg)
         return SamplingParams(
             max_tokens=self.max_tokens,
             logprobs=self.logprobs,

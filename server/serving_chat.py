@@ -59,7 +59,9 @@ def _message_dict(m: ChatMessage) -> dict:
     if isinstance(content, list):
         bad = next((p.type for p in content if p.type not in _TEXT_PART_TYPES), None)
         if bad is not None:
-            raise APIError(400, f"content part type {bad!r} is not supported", param="messages")
+            accepted = ", ".join(_TEXT_PART_TYPES)
+            msg = f"content part type {bad!r} is not supported; accepted: {accepted}"
+            raise APIError(400, msg, param="messages")
         content = "\n".join(p.text or "" for p in content)
     extra = {k: v for k, v in (m.model_extra or {}).items() if v is not None}
     return {**extra, "role": m.role, "content": content or ""}

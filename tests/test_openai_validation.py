@@ -107,6 +107,41 @@ def test_context_length_message_keeps_vllm_wording(http):
     )
 
 
+@pytest.mark.parametrize(
+    "endpoint, body, param, sent, accepted",
+    [
+        (C, {"prompt": "hi", "best_of": 3}, "best_of", "best_of 3", "accepted: 1"),
+        (C, {"prompt": "hi", "suffix": "end"}, "suffix", "3 characters", "leave it unset"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+            "messages",
+            "'input_audio'",
+            "accepted: text",
+        ),
+        (
+            CHAT,
+            {"messages": MSG, "response_format": {"type": "xml"}},
+            "response_format",
+            "'xml'",
+            "accepted: text, json_object, json_schema",
+        ),
+        (
+            C,
+            {"prompt": "hi", "structured_outputs": {"lark": "start: x"}},
+            "structured_outputs",
+            "structured_outputs.lark",
+            "accepted: json, regex, choice, grammar",
+        ),
+    ],
+)
+def test_refused_types_name_the_value_sent_and_the_values_accepted(
+    http, endpoint, body, param, sent, accepted
+):
+    message = check_error(http.post(endpoint, json=body), 400, param)["error"]["message"]
+    assert sent in message and accepted in message, message
+
+
 def test_huge_and_malformed_inputs_are_small_400s(http):
     check_error(http.post(C, json={"prompt": "x" * 200_000}), 400, "prompt")
     check_error(
