@@ -104,6 +104,11 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self.engine.vocab_size
 
+    @property
+    def generation_defaults(self) -> dict:
+        """Sampling defaults from the model's generation_config.json, for unset request fields."""
+        return self.engine.generation_defaults
+
     @cached_property
     def tokenizer(self):
         """The caller's own copy: the engine thread decodes with the engine's, concurrently."""

@@ -179,19 +179,27 @@ class SamplingRequest(BaseModel):
         except ValueError as e:
             raise SamplingParamsError("logit_bias", "logit_bias keys must be token ids") from e
 
-    def sampling_kwargs(self) -> dict[str, Any]:
+    def sampling_kwargs(self, defaults: dict | None = None) -> dict[str, Any]:
+        """defaults: the model's generation_config values for the fields the request left unset
+        (temperature, top_p, top_k, min_p, repetition_penalty), else OpenAI's and vLLM's."""
         self.check_stream_options()
+        d = defaults or {}
+
+        def pick(name: str, neutral):
+            value = getattr(self, name)
+            return d.get(name, neutral) if value is None else value
+
         return dict(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0) or 0,
+            min_p=pick("min_p", 0.0) or 0.0,
             seed=self.seed,
             min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=self.logit_bias_ids(),
             stop=[self.stop] if isinstance(self.stop, str) else self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -211,7 +219,7 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None  # refused
     add_special_tokens: bool = True
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         if self.best_of is not None and self.best_of != 1:
             msg = f"best_of {self.best_of} is not supported; accepted: 1 (or leave it unset)"
             raise SamplingParamsError("best_of", msg)
@@ -222,7 +230,7 @@ class CompletionRequest(SamplingRequest):
             max_tokens=self.max_tokens,
             logprobs=self.logprobs,
             prompt_logprobs=self.logprobs if self.echo else None,
-            **self.sampling_kwargs(),
+            **self.sampling_kwargs(defaults),
         )
 
 
@@ -257,7 +265,7 @@ class ChatCompletionRequest(SamplingRequest):
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs", "top_logprobs requires logprobs=true")
         max_tokens = self.max_completion_tokens
@@ -267,7 +275,7 @@ class ChatCompletionRequest(SamplingRequest):
             return SamplingParams(
                 max_tokens=max_tokens,
                 logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-                **self.sampling_kwargs(),
+                **self.sampling_kwargs(defaults),
             )
         except SamplingParamsError as e:  # report the chat names of the fields
             renamed = {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param}

@@ -201,7 +201,7 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request
     grammar (compiled here, off the engine thread), template, limits, queue."""
     ctx.check_model(body.model)
     plan = plan_chat_tools(ctx, body)
-    params = to_sampling_params(body)
+    params = to_sampling_params(body, defaults=ctx.generation_defaults)
     source = body.grammar_source()
     param = source[1] if source else None
     for fn in plan.functions if plan.mode != "none" else []:  # each schema must compile

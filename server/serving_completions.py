@@ -96,7 +96,7 @@ class CompletionChoiceFormatter:
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest):
     ctx.check_model(body.model)
-    params = to_sampling_params(body)
+    params = to_sampling_params(body, defaults=ctx.generation_defaults)
     await compile_grammar(ctx, params, (body.grammar_source() or (None, None))[1])
     prompts = tokenize_prompts(ctx, body)
     request_id = f"cmpl-{current_request_id()}"

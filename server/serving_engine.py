@@ -31,6 +31,9 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     token_strings: TokenStrings
+    # generation_config.json's temperature, top_p, top_k, min_p, repetition_penalty: what a
+    # request that leaves one unset gets (vLLM's --generation-config auto)
+    generation_defaults: dict = field(default_factory=dict)
     # --enable-auto-tool-choice / --tool-call-parser (None: "auto" tool choice is refused)
     tool_call_parser: str | None = None
 
@@ -44,6 +47,7 @@ class ServingContext:
             max_model_len=engine.max_model_len,
             vocab_size=engine.vocab_size,
             token_strings=TokenStrings(tokenizer),
+            generation_defaults=dict(engine.generation_defaults),
         )
 
     def check_model(self, requested: str | None) -> None:
@@ -59,10 +63,12 @@ class ServingContext:
             raise APIError(400, msg, param=param)
 
 
-def to_sampling_params(body, param_fallback: str | None = None) -> SamplingParams:
-    """body.to_sampling_params() with field errors turned into 400s naming the field."""
+def to_sampling_params(
+    body, param_fallback: str | None = None, defaults: dict | None = None
+) -> SamplingParams:
+    """body.to_sampling_params(defaults) with field errors turned into 400s naming the field."""
     try:
-        return body.to_sampling_params()
+        return body.to_sampling_params(defaults)
     except SamplingParamsError as e:
         raise APIError(400, str(e), param=e.param) from e
     except ValueError as e:

@@ -461,12 +461,14 @@ class ScriptedEngine:
         self.tokenizer = tokenizer
         self.model_name, self.model_dir = "fake", Path("m")
         self.max_model_len, self.vocab_size = max_model_len, len(tokenizer)
+        self.generation_defaults: dict = {}
         self.is_alive, self.queue_full = True, False
         self.requests: list[tuple[str, list[int], object]] = []
         self.output_ids = tokenizer.encode(SCRIPTED_TEXT, add_special_tokens=False)
         self._validator = SimpleNamespace(
             vocab_size=self.vocab_size,
             eos_token_id=None,
+            eos_token_ids=frozenset(),
             config=SimpleNamespace(max_model_len=max_model_len),
             scheduler=make_scheduler(max_model_len=max_model_len),
         )

@@ -238,6 +238,17 @@ def test_every_declared_eos_id_stops(tmp_path, prompts):
     assert llm.engine.default_sampling_params().top_k == 5
     default_out = llm.generate(prompts[:1], use_tqdm=False)[0].outputs[0]
     assert default_out.token_ids == free[: len(default_out.token_ids)]  # temperature 0: greedy
+    # ... and the server's requests too: the facade hands them to the serving context
+    from engine.async_engine import AsyncEngine
+    from server.protocol import ChatCompletionRequest, CompletionRequest
+    from server.serving_engine import ServingContext, to_sampling_params
+
+    ctx = ServingContext.build(AsyncEngine(llm.engine))
+    unset = to_sampling_params(CompletionRequest(prompt="x"), defaults=ctx.generation_defaults)
+    assert (unset.temperature, unset.top_k) == (0.0, 5)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], temperature=0.7)
+    chosen = to_sampling_params(chat, defaults=ctx.generation_defaults)
+    assert (chosen.temperature, chosen.top_k) == (0.7, 5)  # the request's own value wins
 
 
 def test_registry_has_what_the_readme_lists():
