@@ -575,3 +575,19 @@ def tclient(tools_server):
     import openai
 
     return openai.OpenAI(base_url=tools_server.url + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The byte tokenizer (files that need another one define their own)."""
+    return build_byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    """A grammar compiler over the byte tokenizer, its cache shared within a module."""
+    from engine.structured_output import GrammarCompiler
+
+    c = GrammarCompiler(tokenizer, vocab_size=len(tokenizer))
+    yield c
+    c.shutdown()

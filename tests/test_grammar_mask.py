@@ -2,24 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from engine.grammar_mask import GrammarBitmask, accept_tokens
-from engine.structured_output import GrammarCompiler, GrammarSpec
-from tests.conftest import build_byte_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    c = GrammarCompiler(tokenizer, vocab_size=len(tokenizer))
-    yield c
-    c.shutdown()
+from engine.structured_output import GrammarSpec
 
 
 def unpack_slowly(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:  # [R, vocab] bool allowed

@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.sampling_params import SamplingParamsError
-from engine.structured_output import GrammarCompiler
 from server.tool_calling import plan_tools, template_messages
 from server.tool_parsers import HermesToolParser
-from tests.conftest import build_byte_tokenizer
 
 WEATHER = {
     "type": "function",
@@ -23,18 +21,6 @@ WEATHER = {
     },
 }
 NOOP = {"type": "function", "function": {"name": "noop"}}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    c = GrammarCompiler(tokenizer, vocab_size=len(tokenizer))
-    yield c
-    c.shutdown()
 
 
 def accepts(tokenizer, compiler, spec, text: str) -> bool:
