@@ -418,14 +418,34 @@ def test_engine_on_q8_gguf_matches_transformers_on_the_dequantized_weights(tmp_p
 
 # ---- tokenizer flags, EOS ids, refusals ------------------------------------------------------
 @pytest.mark.parametrize("add_bos", [True, False])
-def test_add_bos_token_is_honoured_and_chat_gets_one_bos(add_bos, tmp_path, cache):
-    from transformers import AutoTokenizer
+def test_add_bos_token_is_honoured_and_chat_gets_one_bos(add_bos, tmp_path, cache, monkeypatch):
+    """The file's flag decides, whatever transformers' GGUF tokenizer picks for its class (4.x
+    ignores the flag; here it is made to pick the opposite of the file)."""
+    import transformers
+    from tokenizers import Tokenizer, processors
 
+    real = transformers.AutoTokenizer.from_pretrained
+    opener = "<|im_start|>"
+
+    def opposite(*args, **kwargs):
+        tok = real(*args, **kwargs)
+        if kwargs.get("gguf_file"):
+            special = [(opener, tok.convert_tokens_to_ids(opener))] if not add_bos else []
+            prefix = f"{opener} " if not add_bos else ""
+            tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+                single=f"{prefix}$A", pair=f"{prefix}$A $B", special_tokens=special
+            )
+        return tok
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", opposite)
     _, out, _, _ = _converted(tmp_path, "qwen2", add_bos=add_bos)
-    tok = AutoTokenizer.from_pretrained(out)
-    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    monkeypatch.undo()
+    tok = real(out)
+    bos = tok.convert_tokens_to_ids(opener)
     plain = build_byte_tokenizer()("hi", add_special_tokens=False)["input_ids"]
     assert tok("hi")["input_ids"] == ([bos] if add_bos else []) + plain
+    raw = Tokenizer.from_file(str(out / "tokenizer.json")).encode("hi").ids
+    assert raw == ([bos] if add_bos else []) + plain  # readers of tokenizer.json alone agree
     # a chat template that writes its own BOS-like opener: encoded without special tokens
     # (as the server does) it appears once
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
