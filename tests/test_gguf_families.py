@@ -17,6 +17,7 @@ from test_model_families import build_family_dir
 
 from engine.gguf_convert import GGUF_ARCHITECTURES, llama3_scaling
 from engine.model_loader import resolve_model
+from engine.models import SUPPORTED_ARCHITECTURES
 
 MAX_NEW = 12
 # test name -> (test_model_families family or a local Gemma one, GGUF architecture, general.name)
@@ -32,9 +33,10 @@ CASES = {
     "gemma2": ("gemma2", "gemma2", "Tiny Gemma 2"),
     "gemma3": ("gemma3", "gemma3", "Tiny Gemma 3"),
 }
-# The engine's Gemma classes are another change; until they land Gemma is checked at the
-# tensor and config level against transformers' GGUF loader.
-SERVED = [c for c in CASES if not c.startswith("gemma")]
+# Gemma is checked at the tensor and config level against transformers' GGUF loader; its
+# engine parity joins the served cases as soon as engine.models registers the class.
+_GEMMA_ARCH = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+SERVED = [c for c in CASES if _GEMMA_ARCH.get(c, "LlamaForCausalLM") in SUPPORTED_ARCHITECTURES]
 # gemma2/3: head_dim 16 and query_pre_attn_scalar = head_dim, the value llama.cpp assumes
 _GEMMA = dict(
     head_dim=16,
