@@ -98,13 +98,23 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         bar.update()
         bar.set_description("write config")
         config = {**family.config(meta, tensors, extras), **_token_ids(meta)}
-        config.update(torch_dtype="float32", use_cache=True)
+        config.update(torch_dtype=_source_dtype(meta), use_cache=True)
         _write_json(out_dir / "config.json", config)
         _write_json(out_dir / "generation_config.json", generation_config(meta))
         bar.update()
         bar.set_description("convert tokenizer")
         save_tokenizer(gguf_path, out_dir, meta)
         bar.update()
+
+
+def _source_dtype(meta: Meta) -> str:
+    """The dtype the file's weights came from, which `--dtype auto` follows (engine/dtype.py):
+    all-F32 files float32, F16 float16, BF16 and quantized files bfloat16 (their publishers
+    quantize bf16 checkpoints). The weights themselves are written in float32 either way."""
+    file_type = meta.get("general.file_type")  # llama.cpp's LLAMA_FTYPE: 0 F32, 1 F16, 32 BF16
+    if file_type is None:
+        return "float32"
+    return {0: "float32", 1: "float16"}.get(file_type, "bfloat16")
 
 
 def _family(gguf_path: Path, meta: Meta) -> Family:

@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs
+from engine.dtype import resolve_dtype
 from engine.fused_decode import FusedDecode
 from engine.kv_cache_manager import cdiv
 from engine.layers import select_impls
@@ -27,24 +28,12 @@ from kernels.cpu_ops import load_cpu_ops
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 2 * 1024**3
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
-    """auto: float32 on CPU (exact, and the stored default weights are float32), else config's."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    stored = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
-    stored = str(stored).replace("torch.", "") if stored else "bfloat16"
-    return _DTYPES.get(stored, torch.bfloat16) if stored != "float32" else torch.bfloat16
 
 
 def load_model(model_dir: Path, hf_config, backend, dtype, device) -> nn.Module:

@@ -1,5 +1,8 @@
 """Tool calls out of generated text (vLLM's `--tool-call-parser` names), whole or streamed.
 
+The registry is here; llama3_json and mistral are in tool_parsers_json.py, pythonic in
+tool_parser_pythonic.py, the shared types in tool_call_text.py.
+
 hermes (Qwen2.5/Qwen3, Hermes): calls are JSON objects between tags, text around them is content:
 
     Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>
@@ -18,70 +21,22 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+
+from server.tool_call_text import (
+    ExtractedToolCalls,
+    PrefixToolParser,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    new_tool_call_id,
+)
+from server.tool_call_text import object_end as _object_end
+from server.tool_call_text import partial_tag_len as _partial_tag_len
+from server.tool_parser_pythonic import PythonicToolParser
+from server.tool_parsers_json import Llama3JsonToolParser, MistralToolParser
 
 START, END = "<tool_call>", "</tool_call>"
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
-
-
-def new_tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str  # JSON text of an object
-    id: str = field(default_factory=new_tool_call_id)
-
-
-@dataclass
-class ExtractedToolCalls:
-    content: str
-    tool_calls: list[ToolCall]
-
-
-@dataclass
-class ToolCallDelta:
-    """One streamed piece of call `index`: the first carries id and name, later ones arguments."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
-
-
-@dataclass
-class StreamDelta:
-    content: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.content or self.tool_calls)
-
-
-def _object_end(text: str, start: int) -> int | None:
-    """Index just past the JSON object that opens at text[start] ('{'), None if not closed yet."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
 
 
 def _parse_head(body: str) -> tuple[str, int] | None:
@@ -116,14 +71,6 @@ def _parse_body(body: str) -> tuple[str, str] | None:
     if not isinstance(arguments, dict):
         return None
     return obj["name"], json.dumps(arguments, ensure_ascii=False)
-
-
-def _partial_tag_len(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class HermesToolParser:
@@ -242,10 +189,16 @@ class HermesToolStreamer:
         self.in_call, self.head = False, None
 
 
-TOOL_PARSERS = {"hermes": HermesToolParser}
+TOOL_PARSERS: dict[str, type[HermesToolParser] | type[PrefixToolParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
+}
+__all__ = ["ExtractedToolCalls", "StreamDelta", "ToolCall", "ToolCallDelta", "new_tool_call_id"]
 
 
-def get_tool_parser(name: str) -> HermesToolParser:
+def get_tool_parser(name: str) -> HermesToolParser | PrefixToolParser:
     if name not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {name!r}; choose from {sorted(TOOL_PARSERS)}")
     return TOOL_PARSERS[name]()

@@ -62,7 +62,7 @@ def test_served_capital_of_france_equals_transformers(default_dir):
     expected = tok.decode(
         hf_greedy(default_dir, [ids], 16, stop_at_eos=True)[0], skip_special_tokens=True
     )
-    server = ServerProcess(None).wait_ready()
+    server = ServerProcess(None, "--dtype", "float32").wait_ready()
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id

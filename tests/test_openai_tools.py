@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import build_byte_tokenizer, openai_schema_validator, wait_idle
+from tests.conftest import ServerProcess, build_byte_tokenizer, openai_schema_validator, wait_idle
 
 WEATHER_PARAMS = {
     "type": "object",
@@ -168,6 +168,55 @@ def test_auto_parses_the_hermes_format(tclient):
     assert [(x["name"], x["arguments"]) for x in calls] == [
         (t.function.name, t.function.arguments) for t in c.message.tool_calls
     ]
+
+
+# Each parser's format, forced by a regex, and the content it leaves (None: no content).
+OTHER_FORMATS = {
+    "llama3_json": (
+        r'<\|python_tag\|>\{"name": "get_weather", "parameters": '
+        r'\{"city": "[a-z]{1,5}", "unit": "c"\}\}',
+        None,
+    ),
+    "mistral": (
+        r'Sure\. \[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "[a-z]{1,5}", "unit": "c"\}',
+        "Sure. ",
+    ),
+    "pythonic": (r"\[get_weather\(city='[a-z]{1,5}', unit='c'\)\]", None),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(OTHER_FORMATS))
+def parser_server(request, tools_model_dir):
+    server = ServerProcess(
+        str(tools_model_dir),
+        "--dtype", "float32",
+        "--served-model-name", "tiny",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser", request.param,
+    ).wait_ready()  # fmt: skip
+    yield request.param, server
+    server.stop()
+
+
+def test_auto_with_each_other_parser(parser_server):
+    """`--tool-call-parser llama3_json|mistral|pythonic`: the call a regex makes the random
+    model write is found, whole and streamed, with the same arguments."""
+    name, server = parser_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    regex, content = OTHER_FORMATS[name]
+    kw = dict(extra_body={"structured_outputs": {"regex": regex}}, seed=1, temperature=1.0)
+    c = chat(client, tool_choice="auto", **kw).choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == content
+    [call] = c.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+    assert len(call.id) == 9 if name == "mistral" else call.id.startswith("call_")
+    calls, reasons = collect_stream(chat(client, stream=True, **kw))
+    assert reasons == ["tool_calls"]
+    assert [(x["name"], x["arguments"]) for x in calls] == [
+        ("get_weather", call.function.arguments)
+    ]
+    wait_idle(server.url)
 
 
 def test_auto_and_none_without_a_call_are_plain_text(tclient):

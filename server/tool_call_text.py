@@ -1,0 +1,147 @@
+"""What every tool-call parser shares: the call and delta types, and one way to stream.
+
+A parser that can read any prefix of a text (`parse(text, final)`) streams by reading the text so
+far after each piece and sending what grew: content, new calls (id and name first), and the new
+tail of each call's arguments. `parse` promises that on a longer text every earlier answer stays a
+prefix of the new one (content, the list of calls, each call's arguments), and that with
+`final=False` it names a call only once its name is complete; then the streamed calls are the
+whole text's calls in every split of the text.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def new_tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text of an object
+    id: str = field(default_factory=new_tool_call_id)
+
+
+@dataclass
+class ExtractedToolCalls:
+    content: str
+    tool_calls: list[ToolCall]
+
+
+@dataclass
+class ToolCallDelta:
+    """One streamed piece of call `index`: the first carries id and name, later ones arguments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class StreamDelta:
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.tool_calls)
+
+
+@dataclass
+class Parsed:
+    """A text prefix read so far: its content and calls, each (name, arguments text so far)."""
+
+    content: str
+    calls: list[tuple[str, str]]
+
+
+def object_end(text: str, start: int) -> int | None:
+    """Index just past the JSON object that opens at text[start] ('{'), None if not closed yet."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def partial_tag_len(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+class PrefixToolParser:
+    """A parser defined by `parse(text, final)` (see the module docstring)."""
+
+    name = ""
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        raise NotImplementedError
+
+    def new_id(self) -> str:
+        return new_tool_call_id()
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        """The calls in a whole text, and the content around them."""
+        parsed = self.parse(text, final=True)
+        calls = [ToolCall(name, args, self.new_id()) for name, args in parsed.calls]
+        return ExtractedToolCalls(parsed.content, calls)
+
+    def streamer(self) -> PrefixStreamer:
+        return PrefixStreamer(self.parse, self.new_id)
+
+
+class PrefixStreamer:
+    """Feeds text deltas; each feed returns what the text so far adds to what was sent."""
+
+    def __init__(self, parse: Callable[[str, bool], Parsed], new_id: Callable[[], str]) -> None:
+        self.parse, self.new_id = parse, new_id
+        self.text = ""
+        self.num_content = 0  # characters of content already sent
+        self.num_args: list[int] = []  # per call, characters of its arguments already sent
+
+    def feed(self, text: str) -> StreamDelta:
+        self.text += text
+        return self._send(self.parse(self.text, False))
+
+    def finish(self) -> StreamDelta:
+        return self._send(self.parse(self.text, True))
+
+    def _send(self, parsed: Parsed) -> StreamDelta:
+        assert len(parsed.content) >= self.num_content and len(parsed.calls) >= len(self.num_args)
+        out = StreamDelta(parsed.content[self.num_content :])
+        self.num_content = len(parsed.content)
+        for i, (name, args) in enumerate(parsed.calls):
+            if i == len(self.num_args):
+                out.tool_calls.append(ToolCallDelta(i, self.new_id(), name))
+                self.num_args.append(0)
+            if len(args) > self.num_args[i]:
+                out.tool_calls.append(ToolCallDelta(i, arguments=args[self.num_args[i] :]))
+                self.num_args[i] = len(args)
+        return out
