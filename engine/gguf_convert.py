@@ -527,9 +527,10 @@ def save_tokenizer(gguf_path: Path, out_dir: Path, meta: Meta) -> None:
 def _set_special_token_insertion(path: Path, meta: Meta, flags: dict[str, bool]) -> None:
     """Encoding prepends BOS (appends EOS) exactly when the file says so, as llama.cpp does.
 
-    transformers' GGUF tokenizer ignores tokenizer.ggml.add_bos_token and picks per tokenizer
-    class; Gemma without its <bos> degenerates. Chat prompts are encoded without special tokens
-    (the template writes <bos> itself), so they do not get a second one.
+    Whether transformers' GGUF tokenizer honours tokenizer.ggml.add_bos_token depends on its
+    version and tokenizer class (4.x drops the flag); written into tokenizer.json, every reader
+    of the folder agrees. Gemma without its <bos> degenerates. Chat prompts are encoded without
+    special tokens (the template writes <bos> itself), so they do not get a second one.
     """
     data = json.loads(path.read_text())
     vocab = {t["id"]: t["content"] for t in data.get("added_tokens", [])}
@@ -567,7 +568,7 @@ def _set_special_token_insertion(path: Path, meta: Meta, flags: dict[str, bool])
     }
     # Keep a byte-level post-processor (offsets) and replace whatever inserted special tokens.
     old = data.get("post_processor")
-    kept = [p for p in _post_processors(old) if p.get("type") not in ("TemplateProcessing",)]
+    kept = [p for p in _post_processors(old) if p.get("type") != "TemplateProcessing"]
     procs = kept + ([template] if specials else [])
     data["post_processor"] = (
         None

@@ -229,8 +229,38 @@ def _add(writer, name: str, weight, qtype):
     if qtype is None or weight.ndim < 2:
         writer.add_tensor(name, weight)
         return gguf.GGMLQuantizationType.F32
+    if qtype in _K_SCALE_OFFSETS:  # gguf-py cannot quantize K types: store random blocks
+        writer.add_tensor(name, _random_k_blocks(name, weight.shape, qtype), raw_dtype=qtype)
+        return qtype
     writer.add_tensor(name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
     return qtype
+
+
+def _k_offsets():
+    import gguf
+
+    t = gguf.GGMLQuantizationType
+    # byte offsets of the float16 super-block scales (d, and dmin where the type has one)
+    return {t.Q4_K: (0, 2), t.Q5_K: (0, 2), t.Q6_K: (208,)}
+
+
+_K_SCALE_OFFSETS = _k_offsets()
+
+
+def _random_k_blocks(name: str, shape, qtype):
+    """Random but finite K-quant blocks for a [rows, cols] matrix (cols a multiple of 256)."""
+    import zlib
+
+    import gguf
+    import numpy as np
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    blocks = rng.integers(0, 256, (*shape[:-1], shape[-1] // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    for offset in _K_SCALE_OFFSETS[qtype]:
+        blocks[..., offset : offset + 2] = scale
+    return blocks.reshape(*shape[:-1], -1)
 
 
 def _expected(state: dict, layout: dict, arch: str) -> dict:
@@ -337,6 +367,31 @@ def test_quantized_tensors_equal_the_dequantized_file(case, qtype, tmp_path, cac
     for name, weight in expected.items():
         scale = np.abs(state[name]).max()
         assert np.abs(weight - state[name]).max() <= 0.2 * scale, name
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_file_reads_like_transformers(qtype, tmp_path, cache):
+    """K-quant matrices (what Q4_K_M files hold) convert to what transformers' GGUF loader
+    reads from the same file: a Llama with 256-wide rows (the K-quant super-block)."""
+    import gguf
+    import torch
+    from conftest import build_tiny_model_dir
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    src = build_tiny_model_dir(
+        tmp_path / "hf", hidden_size=256, intermediate_size=512, num_hidden_layers=1
+    )
+    qt = gguf.GGMLQuantizationType[qtype]
+    layout = write_gguf(src, tmp_path / "k.gguf", "llama", "Tiny Llama", qt)
+    assert sum(q == qt for _, q in layout.values()) == 9  # 7 layer matrices, embedding, head
+    out = resolve_model(str(tmp_path / "k.gguf"))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="k.gguf", dtype=torch.float32)
+    theirs, ours = ref.state_dict(), load_file(str(out / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    for name, weight in theirs.items():
+        torch.testing.assert_close(ours[name], weight, rtol=0, atol=0, msg=name)
+    assert ours["lm_head.weight"].abs().max() > 0
 
 
 # transformers' GGUF loader builds Qwen3 (and Qwen3-MoE) with its default head_dim 128 rather than
