@@ -84,9 +84,13 @@ class AttentionBackend:
         supports_softcap raise ValueError when given one."""
         raise NotImplementedError
 
-    def cascade_plan(self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int):
+    def cascade_plan(
+        self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int,
+        window: int = 0, softcap: float = 0.0,
+    ):
         """(prefix block ids, prefix length, suffix block table, suffix lengths), or None: run
-        the batch without a cascade. Only backends with supports_cascade return a plan."""
+        the batch without a cascade. Only backends with supports_cascade return a plan; they
+        may decline a windowed or soft-capped layer."""
         return None
 
     def fused_decode(self, stack: DecoderStack) -> FusedDecodeStep | None:

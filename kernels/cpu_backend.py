@@ -46,9 +46,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             super().write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def _prefill_kernel_applies(self, query, k_cache, window: int = 0, softcap: float = 0.0):
-        """bf16 on CPU, query rows [T, H, D] with heads contiguous, shapes the kernel covers."""
-        if window > 0 or softcap > 0:
-            return False
+        """bf16 on CPU, query rows [T, H, D] with heads contiguous, shapes the kernel covers
+        (window and softcap are the kernel's too)."""
         if query.device.type != "cpu" or query.dtype != torch.bfloat16:
             return False
         if k_cache.dtype != torch.bfloat16 or query.stride(1) != query.shape[2]:
@@ -73,31 +72,40 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 torch.tensor([meta.seq_lens_cpu[i] for i in seqs], dtype=torch.int32),
             )
             cached = self._prefill_args = (meta, list(seqs), args)
-        self.ops.paged_attention_prefill(out, query, k_cache, v_cache, *cached[2], scale)
+        self.ops.paged_attention_prefill(
+            out, query, k_cache, v_cache, *cached[2], scale, window, softcap
+        )
 
     def decode(
         self, query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale, shared_blocks=0,
         window: int = 0, softcap: float = 0.0,
     ):
         """With enough shared_blocks and sequences the cascade kernel reads the prefix once."""
-        if query.device.type != "cpu" or window > 0 or softcap > 0:
+        if query.device.type != "cpu":
             args = (block_table, seq_lens, max_seq_len, scale, 0, window, softcap)
             return super().decode(query, k_cache, v_cache, *args)
         out = query.new_empty(query.shape)
         plan = self.cascade_plan(
-            query.shape[1], query.dtype, k_cache, block_table, seq_lens, shared_blocks
+            query.shape[1], query.dtype, k_cache, block_table, seq_lens, shared_blocks, window,
+            softcap,
         )
         if plan is not None:
             self.ops.paged_attention_cascade(out, query, k_cache, v_cache, *plan, scale)
             return out
-        self.ops.paged_attention_decode(out, query, k_cache, v_cache, block_table, seq_lens, scale)
+        self.ops.paged_attention_decode(
+            out, query, k_cache, v_cache, block_table, seq_lens, scale, window, softcap
+        )
         return out
 
-    def cascade_plan(self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int):
+    def cascade_plan(
+        self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int,
+        window: int = 0, softcap: float = 0.0,
+    ):
         """A plan when the cascade kernel takes this decode batch: a shared prefix of
-        CASCADE_MIN_TOKENS over CASCADE_MIN_SEQS sequences, bf16, shapes the AMX kernel covers."""
+        CASCADE_MIN_TOKENS over CASCADE_MIN_SEQS sequences, bf16, shapes the AMX kernel covers,
+        full attention without a cap (a window would skip the prefix anyway)."""
         block_size = k_cache.shape[1]
-        if shared_blocks * block_size < CASCADE_MIN_TOKENS:
+        if shared_blocks * block_size < CASCADE_MIN_TOKENS or window > 0 or softcap > 0:
             return None
         if block_table.shape[0] < CASCADE_MIN_SEQS or dtype != torch.bfloat16:
             return None
