@@ -856,6 +856,7 @@ CASCADE_CASES = [
     (16, 16, 1, 64, 64, [3, 16, 17]),  # 16 query heads per KV head: one full tile per sequence
     (32, 10, 2, 128, 96, [33, 1, 64, 95, 2, 40, 31, 7, 32]),  # GQA 5, head_dim 128, block 32
     (16, 4, 4, 64, 40, [1] * 17),  # MHA, a 40-token prefix (2.5 blocks), one-token suffixes
+    (16, 4, 1, 256, 64, [3, 16, 17, 40, 9]),  # Gemma 3's head_dim 256 on one KV head
 ]
 
 

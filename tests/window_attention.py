@@ -24,6 +24,7 @@ WINDOW_CASES = [
     (16, 8, 2, 64, [1, 6, 33, 1, 2], [100, 45, 33, 9, 64], 24, 20.0),  # window and softcap
     (16, 4, 1, 256, [1, 17, 1], [300, 64, 128], 32, 50.0),  # Gemma's head_dim 256, MQA
     (16, 4, 2, 64, [1, 3], [1, 3], 1, 0.0),  # W = 1: each query sees only itself
+    (16, 4, 2, 64, [100, 1, 70], [150, 120, 70], 20, 10.0),  # long runs of queries past W
 ]
 POISON_BLOCKS = 2  # the placeholder ids a KV manager puts behind the window: NaN and inf
 
