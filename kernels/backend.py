@@ -80,8 +80,8 @@ class AttentionBackend:
         keys i - W < j <= i, W keys with itself; 0 is full causal attention. Blocks wholly
         before the first key any query of a sequence sees may hold any block id (freed) and are
         never read. softcap c > 0: scores = c * tanh(q.k * scale / c) before mask and softmax
-        (Gemma 2's attn_logit_softcapping). Backends without supports_sliding_window /
-        supports_softcap raise ValueError when given one."""
+        (Gemma 2's attn_logit_softcapping). Every backend here declares both
+        (supports_sliding_window, supports_softcap)."""
         raise NotImplementedError
 
     def cascade_plan(
