@@ -19,6 +19,10 @@ from kernels.reference import TorchAttentionBackend
 # once for all (the cascade kernel); below either, the one-pass decode kernel is as fast.
 CASCADE_MIN_TOKENS = 128
 CASCADE_MIN_SEQS = 8
+# Prefill at head_dim 256 takes the AMX kernel while each query reads at most this many keys (a
+# window no longer, or a context no longer); past it SDPA is faster (bench/attention_decode.py
+# --window-case, "prompt of ctx" at full attention).
+PREFILL_D256_MAX_KEYS = 2048
 # Decode steps up to this many sequences run every layer in one kernel call (ops.decode_layers);
 # the AMX linears take every decode-sized call up to here (kernels/cpu_linear.py AMX_MAX_ROWS).
 FUSED_DECODE_MAX_ROWS = 32
@@ -45,9 +49,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         else:
             super().write_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def _prefill_kernel_applies(self, query, k_cache, window: int = 0, softcap: float = 0.0):
+    def _prefill_kernel_applies(
+        self, query, k_cache, meta: AttentionMetadata, window: int = 0, softcap: float = 0.0
+    ) -> bool:
         """bf16 on CPU, query rows [T, H, D] with heads contiguous, shapes the kernel covers
-        (window and softcap are the kernel's too)."""
+        (window and softcap are the kernel's too); head_dim 256 up to PREFILL_D256_MAX_KEYS."""
+        if query.shape[2] == 256 and not 0 < window <= PREFILL_D256_MAX_KEYS:
+            if meta.max_seq_len > PREFILL_D256_MAX_KEYS:
+                return False
         if query.device.type != "cpu" or query.dtype != torch.bfloat16:
             return False
         if k_cache.dtype != torch.bfloat16 or query.stride(1) != query.shape[2]:

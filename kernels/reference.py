@@ -283,14 +283,16 @@ class TorchAttentionBackend(AttentionBackend):
                 query, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.max_seq_len, scale,
                 shared, window=window, softcap=softcap,
             )
-        applies = self._prefill_kernel_applies(query, k_cache, window, softcap)
+        applies = self._prefill_kernel_applies(query, k_cache, meta, window, softcap)
         prefill = self.prefill if applies else None
         decode = functools.partial(self.decode, shared_blocks=shared) if shared else self.decode
         return paged_attention_mixed(
             query, k_cache, v_cache, meta, scale, decode, prefill, window, softcap
         )
 
-    def _prefill_kernel_applies(self, query, k_cache, window: int = 0, softcap: float = 0.0):
+    def _prefill_kernel_applies(
+        self, query, k_cache, meta: AttentionMetadata, window: int = 0, softcap: float = 0.0
+    ) -> bool:
         """Whether prefill() takes this batch's prefill sequences; the reference has none."""
         return False
 

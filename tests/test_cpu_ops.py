@@ -25,10 +25,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from window_attention import window_inputs
 
 from engine.layers import RMSNorm, RotaryEmbedding, apply_rope
 from kernels.backend import AttentionMetadata
-from kernels.cpu_backend import CpuAttentionBackend
+from kernels.cpu_backend import PREFILL_D256_MAX_KEYS, CpuAttentionBackend
 from kernels.cpu_linear import (
     AMX_MAX_ROWS,
     AMX_NARROW_MAX_OUT,
@@ -1217,8 +1218,6 @@ def _window_decode_id(c) -> str:
 
 
 def _decode_window_inputs(case, dtype, seed=0):
-    from window_attention import window_inputs
-
     block_size, heads, kv_heads, head_dim, seq_lens, window, softcap = case
     full = (block_size, heads, kv_heads, head_dim, [1] * len(seq_lens), seq_lens, window, softcap)
     return window_inputs(full, seed=seed, dtype=dtype)
@@ -1267,8 +1266,6 @@ PREFILL_WINDOW_CASES = [
     "case", PREFILL_WINDOW_CASES, ids=lambda c: _window_decode_id(c[:4] + c[5:])
 )
 def test_paged_prefill_window_softcap_matches_definition(ops, case):
-    from window_attention import window_inputs
-
     q, k_cache, v_cache, meta, scale, window, softcap, want, skipped = window_inputs(
         case, seed=3, dtype=torch.bfloat16
     )
@@ -1289,8 +1286,6 @@ def test_paged_prefill_window_softcap_matches_definition(ops, case):
 def test_torch_backend_runs_windowed_soft_capped_layers_on_the_kernels(ops, dtype):
     """Mixed batches with a window and a cap: decodes go to the decode kernel, bf16 prefills to
     the prefill kernel where AMX is (float32 prefills to the reference), never the cascade."""
-    from window_attention import window_inputs
-
     case = (16, 4, 1, 256, [1, 40, 1, 200, 1], [700, 300, 90, 200, 513], 128, 50.0)
     q, k_cache, v_cache, meta, scale, window, softcap, want, _ = window_inputs(case, dtype=dtype)
     meta.decode_shared_blocks = 2  # a shared prefix would take the cascade without the window
@@ -1303,3 +1298,19 @@ def test_torch_backend_runs_windowed_soft_capped_layers_on_the_kernels(ops, dtyp
     assert calls.count("paged_attention_cascade") == 0
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=8e-3)
     torch.testing.assert_close(got.double(), want, **tol)
+
+
+@needs_amx
+def test_head_dim_256_prefill_takes_the_kernel_only_while_its_keys_are_few(ops):
+    """Gemma's head_dim 256: windowed layers and short contexts on the AMX prefill kernel, long
+    full-attention contexts on SDPA (faster there: cpu_backend.PREFILL_D256_MAX_KEYS)."""
+    long = PREFILL_D256_MAX_KEYS + 100
+    for window, ctx, kernel in ((512, long, True), (0, long, False), (0, 300, True)):
+        case = (16, 4, 1, 256, [64, 1], [ctx, 90], window, 0.0)
+        q, k_cache, v_cache, meta, scale, _, _, want, _ = window_inputs(case, dtype=torch.bfloat16)
+        calls = []
+        got = CpuAttentionBackend(_spy(ops, calls)).forward(
+            q, k_cache, v_cache, meta, scale, window=window
+        )
+        assert calls.count("paged_attention_prefill") == int(kernel), (window, ctx)
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=8e-3)
