@@ -3,6 +3,7 @@ sliding-window case on the backends.
 
     python bench/attention_decode.py [--batch 32] [--context 512] [--device cpu|cuda]
     python bench/attention_decode.py --window-case [--context 4096] [--window 512] [--batch 8]
+                                     [--threads N]
 
 Default: SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64), block_size 16, blocks
 scattered in the cache; prints each decode path's median time and its speed-up over the
@@ -12,7 +13,9 @@ reference.
 --context tokens: decode (--batch sequences, one new token each), a chunked-prefill step (512
 new tokens at the end of the context) and a whole prompt of --context tokens, each with full
 attention and with a --window sliding window, in float32 and bf16, through the attention
-backend (on CPU the C++ kernels) and through the torch oracle (TorchAttentionBackend).
+backend (on CPU the C++ kernels) and through the torch oracle (TorchAttentionBackend). Times
+are the best of --repeat runs (a shared machine's other load only ever adds time); --threads
+sets torch's intra-op threads (1 keeps a busy machine's stragglers out of the numbers).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def make_inputs(batch: int, context: int, device: str, dtype: torch.dtype, shape
     return q, k_cache, v_cache, make_meta([1] * batch, lens, table, device)
 
 
-def median_ms(fn, device: str, repeat: int) -> float:
+def median_ms(fn, device: str, repeat: int, stat=statistics.median) -> float:
     fn()
     times = []
     for _ in range(repeat):
@@ -82,7 +85,7 @@ def median_ms(fn, device: str, repeat: int) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return stat(times)
 
 
 def decode_paths(args) -> None:
@@ -123,7 +126,8 @@ def window_case(args) -> None:
     }
     print(
         f"attention, Gemma 3 270M shapes (H {shape[0]}, Hkv {shape[1]}, D {shape[2]}), "
-        f"context {ctx}, window {args.window}, {args.device}, backend {type(backend).__name__}"
+        f"context {ctx}, window {args.window}, {args.device}, backend {type(backend).__name__}, "
+        f"{torch.get_num_threads()} threads, best of {args.repeat}"
     )
     print(f"  {'phase':20s} {'dtype':9s} {'window':>6s} {'backend ms':>11s} {'oracle ms':>10s}"
           f"  rel err")
@@ -148,8 +152,8 @@ def time_both(backend, oracle, inputs, window: int, args) -> tuple[float, float,
 
     want = run(oracle).float()
     err = ((run(backend).float() - want).norm() / want.norm()).item()
-    ms = median_ms(lambda: run(backend), args.device, args.repeat)
-    return ms, median_ms(lambda: run(oracle), args.device, args.repeat), err
+    ms = median_ms(lambda: run(backend), args.device, args.repeat, min)
+    return ms, median_ms(lambda: run(oracle), args.device, args.repeat, min), err
 
 
 def main() -> None:
@@ -160,7 +164,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--window-case", action="store_true", help="Gemma 3 270M, window vs full")
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.window_case:
         args.batch, args.context = args.batch or 8, args.context or 4096
         window_case(args)
