@@ -116,6 +116,9 @@ class DecoderStack:
     head_dim: int
     scale: float
     dtype: torch.dtype
+    # Any layer's sliding window / logit cap (0: none); fused decode kernels decline either.
+    window: int = 0
+    softcap: float = 0.0
 
 
 class FusedDecodeStep:

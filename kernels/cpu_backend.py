@@ -133,8 +133,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def fused_decode(self, stack: DecoderStack) -> CpuFusedDecode | None:
         """The decode_layers step for a bf16 stack whose projections are all AMX-packed (the
-        caller passes None weights for any the kernel does not hold), else None."""
+        caller passes None weights for any the kernel does not hold), else None; None too for
+        a stack with a sliding window or a logit cap (decode_layers has neither)."""
         if stack.dtype != torch.bfloat16 or any(w is None for w in stack.layer_weights):
+            return None
+        if stack.window > 0 or stack.softcap > 0:
             return None
         return CpuFusedDecode(self, stack)
 

@@ -1314,3 +1314,14 @@ def test_head_dim_256_prefill_takes_the_kernel_only_while_its_keys_are_few(ops):
         )
         assert calls.count("paged_attention_prefill") == int(kernel), (window, ctx)
         torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=8e-3)
+
+
+def test_fused_decode_declines_windowed_and_soft_capped_stacks(ops):
+    from kernels.backend import DecoderStack
+
+    w = torch.zeros(1, dtype=torch.bfloat16)
+    stack = DecoderStack([w] * 6, w, 1e-6, 4, 1, 256, 0.0625, torch.bfloat16)
+    backend = CpuAttentionBackend(ops)
+    assert backend.fused_decode(stack) is not None
+    for extra in (dict(window=512), dict(softcap=50.0)):
+        assert backend.fused_decode(DecoderStack(**{**vars(stack), **extra})) is None, extra
