@@ -316,6 +316,8 @@ DECODE_CASES = [
     ("per-head", 8, 9, 3, 128, [24, 7, 50]),
     ("per-head", 16, 4, 4, 128, [1]),
     ("per-head", 8, 10, 2, 64, [41, 8, 19]),  # GQA 5: four query heads, then one
+    ("per-seq", 16, 4, 1, 256, [300, 7, 16, 33]),  # Gemma's head_dim 256 in registers
+    ("per-head", 16, 8, 2, 256, [65, 17]),  # head_dim 256, one query head at a time
     ("scalar", 16, 8, 2, 32, [1, 16, 17, 40, 5]),
     ("scalar", 8, 9, 3, 80, [24, 13]),
     ("scalar", 8, 4, 4, 80, [9, 64, 3, 1]),
