@@ -52,8 +52,9 @@ class AttentionBackend:
     supports_cascade: bool = False
     # fused_decode() may return a step that runs every decoder layer of a decode batch at once.
     supports_fused_decode: bool = False
-    supports_sliding_window: bool = False  # no backend masks a window yet
-    supports_softcap: bool = False  # nor caps logits
+    # forward() takes window > 0 (sliding-window layers) / softcap > 0 (logit soft-capping).
+    supports_sliding_window: bool = False
+    supports_softcap: bool = False
 
     def write_kv(
         self,
@@ -72,12 +73,24 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """window W > 0 (Hugging Face's sliding_window): the query at absolute position i sees
+        keys i - W < j <= i, W keys with itself; 0 is full causal attention. Blocks wholly
+        before the first key any query of a sequence sees may hold any block id (freed) and are
+        never read. softcap c > 0: scores = c * tanh(q.k * scale / c) before mask and softmax
+        (Gemma 2's attn_logit_softcapping). Every backend here declares both
+        (supports_sliding_window, supports_softcap)."""
         raise NotImplementedError
 
-    def cascade_plan(self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int):
+    def cascade_plan(
+        self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int,
+        window: int = 0, softcap: float = 0.0,
+    ):
         """(prefix block ids, prefix length, suffix block table, suffix lengths), or None: run
-        the batch without a cascade. Only backends with supports_cascade return a plan."""
+        the batch without a cascade. Only backends with supports_cascade return a plan; they
+        may decline a windowed or soft-capped layer."""
         return None
 
     def fused_decode(self, stack: DecoderStack) -> FusedDecodeStep | None:
@@ -103,6 +116,9 @@ class DecoderStack:
     head_dim: int
     scale: float
     dtype: torch.dtype
+    # Any layer's sliding window / logit cap (0: none); fused decode kernels decline either.
+    window: int = 0
+    softcap: float = 0.0
 
 
 class FusedDecodeStep:

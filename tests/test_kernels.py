@@ -15,6 +15,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from window_attention import POISON_BLOCKS, WINDOW_CASES, case_id, window_inputs  # noqa: E402
+
 from kernels import default_block_size, get_attention_backend, resolve_backend_name  # noqa: E402
 from kernels.backend import AttentionMetadata  # noqa: E402
 from kernels.reference import paged_attention, paged_decode_attention  # noqa: E402
@@ -214,7 +216,9 @@ def test_torch_backend_batches_decode_rows(monkeypatch):
     backend = get_attention_backend("torch", "cpu")
     seen = []
     real = backend.decode
-    monkeypatch.setattr(backend, "decode", lambda q, *a: seen.append(q.shape[0]) or real(q, *a))
+    monkeypatch.setattr(
+        backend, "decode", lambda q, *a, **kw: seen.append(q.shape[0]) or real(q, *a, **kw)
+    )
     k_cache, v_cache, block_table = make_paged_batch(16, 2, 64, [5, 9, 3], torch.float32, "cpu")
     k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
     backend.forward(
@@ -293,3 +297,99 @@ def test_cuda_graph_decode_matches_eager_gpu(tiny_model_dir):
         res = llm.generate(prompts, params, use_tqdm=False)
         outs[eager] = [o.outputs[0].token_ids for o in res]
     assert outs[False] == outs[True]
+
+
+# ---- sliding windows and logit soft-capping ------------------------------------------------------
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=case_id)
+def test_reference_window_softcap_matches_dense_definition(case):
+    q, k_cache, v_cache, meta, scale, window, softcap, want, skipped = window_inputs(case)
+    assert any(skipped) or window == 0 or max(meta.seq_lens_cpu) <= window + case[0]
+    got = paged_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=case_id)
+def test_reference_backend_window_softcap_matches_dense_definition(case, dtype):
+    """TorchAttentionBackend.forward: batched decodes, grouped prefills, one-off chunks."""
+    from kernels.reference import TorchAttentionBackend
+
+    q, k_cache, v_cache, meta, scale, window, softcap, want, _ = window_inputs(case)
+    # The batched decode gathers whole blocks under a mask; tails past a length hold stale,
+    # finite KV in a real cache (the placeholders behind the window stay NaN and inf).
+    k_cache[POISON_BLOCKS:] = k_cache[POISON_BLOCKS:].nan_to_num(0.0)
+    v_cache[POISON_BLOCKS:] = v_cache[POISON_BLOCKS:].nan_to_num(0.0)
+    args = [t.to(dtype) for t in (q, k_cache, v_cache)]
+    got = TorchAttentionBackend().forward(*args, meta, scale, window=window, softcap=softcap)
+    assert not got.isnan().any()
+    assert _rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_reference_batched_decode_window_groups_of_equal_prefills():
+    # two equal chunks (grouped) and four decodes with a window, against the per-sequence oracle
+    query_lens, seq_lens = [6, 1, 6, 1, 1, 1], [40, 70, 40, 5, 33, 48]
+    case = (8, 4, 2, 64, query_lens, seq_lens, 10, 0.0)
+    from kernels.reference import TorchAttentionBackend
+
+    q, k_cache, v_cache, meta, scale, window, softcap, want, skipped = window_inputs(case)
+    assert skipped == [3, 7, 3, 0, 2, 4]
+    k_cache[POISON_BLOCKS:] = k_cache[POISON_BLOCKS:].nan_to_num(0.0)
+    v_cache[POISON_BLOCKS:] = v_cache[POISON_BLOCKS:].nan_to_num(0.0)
+    got = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, scale, window=window)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+# The Triton decode kernel with windows and caps: one new token per sequence, the blocks behind
+# each window NaN/inf placeholders and the slots past each length NaN (never read).
+# (block_size, num_heads, num_kv_heads, head_dim, seq_lens, window, softcap)
+TRITON_WINDOW_CASES = [
+    (16, 4, 1, 256, [300, 40, 17], 32, 50.0),  # Gemma's shapes, W mid-block
+    (16, 8, 2, 64, [40, 8, 16, 17, 100], 16, 0.0),  # W = block size, W > some contexts
+    (8, 9, 3, 64, [29, 64, 7], 13, 20.0),  # GQA 3, blocks of 8
+    (32, 4, 4, 64, [50, 3, 90], 0, 30.0),  # softcap alone
+    (16, 4, 2, 64, [1, 2, 33], 1, 0.0),  # W = 1
+]
+
+
+def _triton_window_check(case, device, dtype, tol):
+    block_size, heads, kv_heads, head_dim, seq_lens, window, softcap = case
+    full = (block_size, heads, kv_heads, head_dim, [1] * len(seq_lens), seq_lens, window, softcap)
+    q, k_cache, v_cache, meta, scale, _, _, want, skipped = window_inputs(full, dtype=dtype)
+    assert window == 0 or any(skipped)
+    on = dict(device=device)
+    q, k_cache, v_cache = q.to(**on), k_cache.to(**on), v_cache.to(**on)
+    out = torch.full_like(q, float("nan"))
+    triton_attention.paged_decode_attention(
+        q, k_cache, v_cache, meta.block_table.to(**on), meta.seq_lens.to(**on), scale, out=out,
+        window=window, softcap=softcap,
+    )
+    assert not out.isnan().any(), "unwritten output, or a read behind the window"
+    assert _rel_err(out.cpu(), want) < tol
+
+
+@pytest.mark.parametrize(
+    "case", TRITON_WINDOW_CASES, ids=lambda c: f"bs{c[0]}-h{c[1]}/{c[2]}-d{c[3]}-w{c[5]}-c{c[6]:g}"
+)
+def test_triton_decode_window_softcap_matches_dense_definition(case):
+    _triton_window_check(case, DEVICE, torch.float32, 1e-5)
+
+
+def test_triton_backend_window_softcap_decode_and_mixed_batches():
+    """Decode-only batches take the kernel with the window and cap; mixed batches the torch
+    path with them (both against the definition)."""
+    backend = get_attention_backend("triton", DEVICE)
+    assert backend.supports_sliding_window and backend.supports_softcap
+    for case in (WINDOW_CASES[0], WINDOW_CASES[4]):  # decodes only; a mixed batch
+        q, k_cache, v_cache, meta, scale, window, softcap, want, _ = window_inputs(case)
+        k_cache[POISON_BLOCKS:] = k_cache[POISON_BLOCKS:].nan_to_num(0.0)
+        v_cache[POISON_BLOCKS:] = v_cache[POISON_BLOCKS:].nan_to_num(0.0)
+        got = backend.forward(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+        assert _rel_err(got, want) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", TRITON_WINDOW_CASES, ids=lambda c: f"d{c[3]}-w{c[5]}-c{c[6]:g}")
+def test_triton_decode_window_softcap_gpu(case, dtype):
+    _triton_window_check(case, "cuda", dtype, 1e-4 if dtype == torch.float32 else 1e-2)
