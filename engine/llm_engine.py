@@ -39,7 +39,7 @@ class LLMEngine:
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         check_tokenizer(self.tokenizer, self.hf_config, self.model_dir)
-        self.config = replace(config, max_model_len=self._resolve_max_model_len(config))
+        self.config = resolve_config(config, self.hf_config)
         self.model_name = config.served_model_name or _default_model_name(config.model)
         check_tensor_parallel(self.hf_config, self.config.tensor_parallel_size)
         self.executor = create_executor(self.config, self.model_dir, self.hf_config)
@@ -78,16 +78,6 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops the model's worker processes, if any."""
         self.executor.shutdown()
-
-    def _resolve_max_model_len(self, config: EngineConfig) -> int:
-        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        if config.max_model_len is None:
-            return min(model_max, _MAX_MODEL_LEN_DEFAULT_CAP)
-        if config.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's limit {model_max}"
-            )
-        return config.max_model_len
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (as vLLM applies them
@@ -258,6 +248,19 @@ class LLMEngine:
             num_cached_free_blocks=pool.get_num_cached_free_blocks(),
             step_time=step_time,
         )
+
+
+def resolve_config(config: EngineConfig, hf_config) -> EngineConfig:
+    """The config with what the model decides filled in (max_model_len), the same on every host
+    (a headless node builds its ranks from it too)."""
+    model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if config.max_model_len is None:
+        return replace(config, max_model_len=min(model_max, _MAX_MODEL_LEN_DEFAULT_CAP))
+    if config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's limit {model_max}"
+        )
+    return config
 
 
 # generation_config.json keys that become SamplingParams defaults (vLLM's list, less max_tokens)

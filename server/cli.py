@@ -276,14 +276,21 @@ def run_headless(args: argparse.Namespace) -> int:
     import signal
     from multiprocessing.connection import wait
 
+    from transformers import AutoConfig
+
+    from engine.distributed import check_tensor_parallel
     from engine.executor import WorkerGroup
+    from engine.llm_engine import resolve_config
     from engine.model_loader import resolve_model
 
-    config = engine_config(args)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
-        workers = WorkerGroup(config, resolve_model(config.model), config.master_port)
+        model_dir = resolve_model(args.model)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        config = resolve_config(engine_config(args), hf_config)
+        check_tensor_parallel(hf_config, config.tensor_parallel_size)
+        workers = WorkerGroup(config, model_dir, config.master_port)
     except ValueError as e:
         print(f"pagedserve: error: {e}", file=sys.stderr, flush=True)
         return 1
