@@ -344,4 +344,3 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self.workers.stop()
-
