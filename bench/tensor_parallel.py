@@ -13,7 +13,11 @@ serves the same greedy batch through LLMEngine.step():
 executor overhead = the engine's wait on execute() less rank 0's time in ModelRunner.execute:
 pickling the step, the pipe both ways, the step's broadcast to the other ranks, rebuilding the
 requests in the worker. collectives = rank 0's time inside the layers' all-reduces and gathers.
-On a 2-core machine two ranks share the cores, so no speed-up is expected here.
+On a 2-core machine two ranks share the cores, so no speed-up is expected here, and every
+hand-off between processes waits for a core: on a loaded machine that wake-up latency, not the
+executor's work, dominates the overhead. The "wire" line therefore also times the executor's own
+work in one process (encode, decode, rebuild the requests, the answer both ways) for a decode
+step of --num-requests requests with --wire-context tokens each.
 """
 
 from __future__ import annotations
@@ -100,6 +104,43 @@ def run(model_dir: Path, args, backend: str, n: int) -> dict:
     return result
 
 
+def wire_cost(num_requests: int, context: int, repeat: int = 200) -> float:
+    """Milliseconds per decode step of the executor's own work, without processes."""
+    import pickle
+
+    from engine.executor import WireEncoder
+    from engine.outputs import ModelRunnerOutput
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import SchedulerOutput
+    from engine.worker import Worker
+
+    params = SamplingParams(temperature=0.0, max_tokens=10_000)
+    reqs = [Request(str(i), list(range(3, 3 + context)), params) for i in range(num_requests)]
+    enc, worker = WireEncoder(), Worker.__new__(Worker)
+    worker.mirrors, worker.grammars = {}, None
+
+    def step() -> None:
+        out = SchedulerOutput(
+            requests=reqs,
+            num_scheduled_tokens=[1] * num_requests,
+            num_computed_tokens=[r.num_tokens - 1 for r in reqs],
+            new_block_ids=[()] * num_requests,
+            block_table_reset=[False] * num_requests,
+        )
+        worker.mirror(pickle.loads(enc.encode(out))[1])
+        answer = ("output", (ModelRunnerOutput([7] * num_requests), 0.0, 0.0))
+        pickle.loads(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+        for r in reqs:
+            r.all_token_ids.append(7)
+
+    step()  # first sight: the prompts travel once
+    start = time.perf_counter()
+    for _ in range(repeat):
+        step()
+    return 1e3 * (time.perf_counter() - start) / repeat
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--hidden", type=int, default=512)
@@ -108,7 +149,9 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--wire-context", type=int, default=1024)
     args = p.parse_args()
+    wire_ms = wire_cost(args.num_requests, args.wire_context)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp), args.hidden, args.layers, args.vocab)
         results = [run(model_dir, args, b, n) for b, n in (("uni", 1), ("mp", 1), ("mp", 2))]
@@ -127,6 +170,10 @@ def main() -> None:
             f"{r['backend']:<10}{r['n']:>3}{r['steps']:>7}{r['step_ms']:>10.2f}"
             f"{r['tok_s']:>9.1f}{overhead:>18}{share:>13}"
         )
+    print(
+        f"wire: the executor's own work per decode step ({args.num_requests} requests, "
+        f"{args.wire_context} tokens of context each, one process): {wire_ms:.3f} ms"
+    )
     same = all(r["tokens"] == results[0]["tokens"] for r in results)
     print(f"greedy tokens identical across the three: {same}")
 

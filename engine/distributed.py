@@ -120,6 +120,12 @@ def min_across_ranks(value: int) -> int:
     return int(t.item())
 
 
+def barrier() -> None:
+    """Every rank got here (the shutdown: rank 0 must not exit before the others read it)."""
+    if _STATE.world_size > 1:
+        dist.barrier(group=_STATE.cpu_group)
+
+
 def broadcast_bytes(payload: bytes | None) -> bytes:
     """Rank 0's payload on every rank: its length, then its bytes (two gloo broadcasts)."""
     state = _STATE

@@ -123,31 +123,47 @@ class RequestDelta:
 
 
 class WireEncoder:
-    """Engine side: SchedulerOutput -> the pickled message, tracking what the workers hold."""
+    """Engine side: SchedulerOutput -> the pickled message, tracking what the workers hold.
+
+    The message is ("step", SchedulerOutput without its Request objects, RequestDeltas of the
+    requests seen for the first time, every scheduled request's id in batch order, the tokens
+    to append to each one's mirror): plain lists, so pickling stays cheap per request.
+    """
 
     def __init__(self) -> None:
         self.num_sent: dict[str, int] = {}  # request id -> tokens the workers' mirror holds
 
     def encode(self, out: SchedulerOutput) -> bytes:
+        num_sent = self.num_sent
         for request_id in out.finished_req_ids:
-            self.num_sent.pop(request_id, None)
-        deltas = [self._delta(req) for req in out.requests]
-        wire = replace(out, requests=deltas, preempted=[])
-        return pickle.dumps(("step", wire), protocol=pickle.HIGHEST_PROTOCOL)
+            num_sent.pop(request_id, None)
+        first: list[RequestDelta] = []
+        ids: list[str] = []
+        appended: list[list[int]] = []
+        for req in out.requests:
+            rid, tokens = req.request_id, req.all_token_ids
+            sent = num_sent.get(rid)
+            num_sent[rid] = len(tokens)
+            ids.append(rid)
+            if sent is None:
+                first.append(self._first_sight(req))
+                appended.append([])
+            else:
+                appended.append(tokens[sent:])
+        wire = replace(out, requests=[], preempted=[])
+        message = ("step", (wire, first, ids, appended))
+        return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
-    def _delta(self, req: Request) -> RequestDelta:
-        sent = self.num_sent.get(req.request_id)
-        self.num_sent[req.request_id] = req.num_tokens
-        if sent is None:
-            return RequestDelta(
-                req.request_id,
-                list(req.all_token_ids),
-                req.sampling_params,
-                req.num_prompt_tokens,
-                req.eos_token_id,
-                req.eos_token_ids,
-            )
-        return RequestDelta(req.request_id, req.all_token_ids[sent:])
+    @staticmethod
+    def _first_sight(req: Request) -> RequestDelta:
+        return RequestDelta(
+            req.request_id,
+            list(req.all_token_ids),
+            req.sampling_params,
+            req.num_prompt_tokens,
+            req.eos_token_id,
+            req.eos_token_ids,
+        )
 
 
 # ---- the multiprocess executor ----------------------------------------------------------------

@@ -119,7 +119,7 @@ class Worker:
         return dict(num_blocks=r.num_blocks, dtype=r.dtype, device=r.device, backend=r.backend.name)
 
     def loop(self, conn) -> None:
-        from engine.distributed import broadcast_bytes, collective_timer, get_tp
+        from engine.distributed import barrier, broadcast_bytes, collective_timer, get_tp
 
         driver, world = self.rank == 0, get_tp().world_size
         num_steps = 0
@@ -132,6 +132,7 @@ class Worker:
                 payload = broadcast_bytes(None)
             kind, wire = pickle.loads(payload)
             if kind == "shutdown":
+                barrier()
                 return
             if kind != "step":
                 continue
@@ -146,26 +147,26 @@ class Worker:
                 result = (output, collective_timer.take(), runner_s)
                 conn.send_bytes(pickle.dumps(("output", result), protocol=pickle.HIGHEST_PROTOCOL))
 
-    def mirror(self, wire):
+    def mirror(self, message):
         """The SchedulerOutput with this process's Request mirrors in place of the deltas."""
         from engine.request import Request
 
+        wire, first, ids, appended = message
+        mirrors = self.mirrors
         for request_id in wire.finished_req_ids:
-            self.mirrors.pop(request_id, None)
-        requests = []
-        for d in wire.requests:
-            req = self.mirrors.get(d.request_id)
-            if req is None:
-                prompt = d.new_token_ids[: d.num_prompt_tokens]
-                req = Request(d.request_id, prompt, d.params, d.eos_token_id, 0.0, d.eos_token_ids)
-                req.all_token_ids.extend(d.new_token_ids[d.num_prompt_tokens :])
-                spec = d.params.structured_outputs
-                if spec is not None and self.grammars is not None:
-                    req.grammar = self.grammars.compile(spec).new_matcher()
-                self.mirrors[d.request_id] = req
-            else:
-                req.all_token_ids.extend(d.new_token_ids)
-            requests.append(req)
+            mirrors.pop(request_id, None)
+        for d in first:
+            prompt = d.new_token_ids[: d.num_prompt_tokens]
+            req = Request(d.request_id, prompt, d.params, d.eos_token_id, 0.0, d.eos_token_ids)
+            req.all_token_ids.extend(d.new_token_ids[d.num_prompt_tokens :])
+            spec = d.params.structured_outputs
+            if spec is not None and self.grammars is not None:
+                req.grammar = self.grammars.compile(spec).new_matcher()
+            mirrors[d.request_id] = req
+        requests = [mirrors[rid] for rid in ids]
+        for req, tokens in zip(requests, appended):
+            if tokens:
+                req.all_token_ids.extend(tokens)
         return replace(wire, requests=requests)
 
 

@@ -300,6 +300,8 @@ def run_headless(args: argparse.Namespace) -> int:
     while not stopping and len(wait(sentinels, timeout=0.5)) < len(sentinels):
         if workers.dead_worker() and any(p.exitcode for p in workers.processes):
             break
+    for proc in workers.processes:  # a sentinel fires a moment before the exit status is known
+        proc.join(0.0 if stopping else 5.0)
     codes = [p.exitcode for p in workers.processes]
     workers.stop()
     if stopping:

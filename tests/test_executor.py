@@ -238,21 +238,22 @@ def test_sizes_that_do_not_divide_are_named_before_any_worker_starts(tmp_path):
 
 
 def test_wire_sends_the_prompt_once_then_only_new_tokens():
+    import pickle
+
     enc = WireEncoder()
     req = Request("r", [5, 6, 7], SamplingParams(max_tokens=4), eos_token_id=2)
 
-    def step(**kw) -> list:
-        import pickle
-
+    def step(**kw) -> tuple:
         out = SchedulerOutput(requests=[req], num_scheduled_tokens=[1], num_computed_tokens=[0])
         for k, v in kw.items():
             setattr(out, k, v)
-        return pickle.loads(enc.encode(out))[1].requests
+        wire, first, ids, appended = pickle.loads(enc.encode(out))[1]
+        assert wire.requests == [] and ids == ["r"]
+        return [(d.new_token_ids, d.params) for d in first], appended
 
-    first = step()
-    assert first[0].new_token_ids == [5, 6, 7] and first[0].params == req.sampling_params
+    assert step() == ([([5, 6, 7], req.sampling_params)], [[]])  # first sight: prompt, params
     req.all_token_ids.append(9)
-    assert [(d.new_token_ids, d.params) for d in step()] == [([9], None)]
-    assert [(d.new_token_ids, d.params) for d in step()] == [([], None)]
+    assert step() == ([], [[9]])  # then only what the workers have not seen
+    assert step() == ([], [[]])
     enc.encode(SchedulerOutput(finished_req_ids=["r"]))
     assert "r" not in enc.num_sent  # finished: forgotten on both sides

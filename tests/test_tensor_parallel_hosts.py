@@ -50,7 +50,8 @@ def test_two_hosts_through_the_rendezvous_flags_give_one_ranks_tokens(tmp_path):
         assert got == expected
         leader_workers = worker_pids(leader.proc.pid)
         assert leader.stop() == 0  # SIGTERM: drained, shut the ranks down
-        assert headless.wait(60) == 0  # its rank ended with the group: nothing left to run
+        code = headless.wait(60)
+        assert code == 0, (tmp_path / "headless.log").read_text()[-4000:]  # ended with the group
         assert_gone(leader_workers + headless_workers)
     finally:
         leader.stop()
