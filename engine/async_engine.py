@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from functools import cached_property
 from pathlib import Path
 
+from engine.executor import EngineDeadError
 from engine.kv_view import KVView
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, StepStats
@@ -45,8 +46,7 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at --max-num-queued-reqs; the caller should retry later."""
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop died; nothing more will be generated."""
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError"]
 
 
 class AsyncEngine:
@@ -74,9 +74,11 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops the loop, then the model's worker processes (none outlive the server)."""
         self._stop.set()
         self._inbox.put(("wake", None))
         self._thread.join(timeout)
+        self.engine.shutdown()
 
     @property
     def is_alive(self) -> bool:

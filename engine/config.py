@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
+_EXECUTORS = ("uni", "mp")
 # Per-step token budget when none is given. CPU steps hold at most 512 tokens so prompts finish
 # one after another and wait less for their first token (throughput within noise); GPUs keep
 # vLLM's 2048. Measured in bench/README.md, "Per-step token budget on CPU".
@@ -28,6 +29,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
+    # uni: the model in the engine's thread; mp: in worker processes (engine/executor.py).
+    # None: uni at one rank, mp above (the only choice there).
+    distributed_executor_backend: str | None = None
+    nnodes: int = 1  # hosts one replica spans; each runs tensor_parallel_size / nnodes ranks
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"  # node 0's address: torch.distributed's TCP rendezvous
+    master_port: int | None = None  # None: a free port (one host only)
     max_num_queued_reqs: int | None = None
     device: str = "auto"
     seed: int = 0
@@ -59,12 +67,34 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        self._check_parallel()
         if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 1:
             raise ValueError("max_num_queued_reqs must be positive")
         if not self.grammar_compile_timeout > 0:
             raise ValueError("grammar_compile_timeout must be positive")
+
+    def _check_parallel(self) -> None:
+        n = self.tensor_parallel_size
+        if n < 1:
+            raise ValueError(f"tensor_parallel_size must be positive, got {n}")
+        if self.distributed_executor_backend is None:
+            object.__setattr__(self, "distributed_executor_backend", "uni" if n == 1 else "mp")
+        backend = self.distributed_executor_backend
+        if backend not in _EXECUTORS:
+            raise ValueError(f"distributed_executor_backend must be one of {_EXECUTORS}")
+        if backend == "uni" and (n > 1 or self.nnodes > 1):
+            raise ValueError(
+                "distributed_executor_backend 'uni' runs one rank; tensor_parallel_size > 1 "
+                "and nnodes > 1 need 'mp'"
+            )
+        if self.nnodes < 1 or n % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {n} must be a multiple of nnodes ({self.nnodes})"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("nnodes > 1 needs master_port (the same on every host)")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -19,13 +19,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers import Attention, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from engine.layers import Attention, RMSNorm, RotaryEmbedding, SiluAndMul
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kernels import AttentionBackend, AttentionMetadata
 from kernels.backend import DecoderStack, FusedDecodeStep
 
 _LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-_ATTN = {"qkv_proj": Linear, "o_proj": Linear, "attn": Attention}
-_MLP = {"gate_up_proj": Linear, "down_proj": Linear, "act_fn": SiluAndMul}
+# the model's linears at one rank (the runner builds no fused step above one)
+_ATTN = {"qkv_proj": QKVParallelLinear, "o_proj": RowParallelLinear, "attn": Attention}
+_MLP = {
+    "gate_up_proj": MergedColumnParallelLinear,
+    "down_proj": RowParallelLinear,
+    "act_fn": SiluAndMul,
+}
 
 
 class FusedDecode:

@@ -11,8 +11,9 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import EngineConfig
+from engine.distributed import check_tensor_parallel
+from engine.executor import create_executor
 from engine.model_loader import resolve_model
-from engine.model_runner import ModelRunner
 from engine.output_processor import RequestState
 from engine.outputs import (
     CompletionOutput,
@@ -38,10 +39,11 @@ class LLMEngine:
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         check_tokenizer(self.tokenizer, self.hf_config, self.model_dir)
-        self.config = replace(config, max_model_len=self._resolve_max_model_len(config))
+        self.config = resolve_config(config, self.hf_config)
         self.model_name = config.served_model_name or _default_model_name(config.model)
-        self.runner = ModelRunner(self.config, self.model_dir, self.hf_config)
-        self.scheduler = Scheduler(self.config, self.runner.num_blocks)
+        check_tensor_parallel(self.hf_config, self.config.tensor_parallel_size)
+        self.executor = create_executor(self.config, self.model_dir, self.hf_config)
+        self.scheduler = Scheduler(self.config, self.executor.num_blocks)
         self.generation_config = read_generation_config(self.model_dir)
         self.eos_token_ids = declared_eos_ids(self.hf_config, self.generation_config)
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -56,25 +58,26 @@ class LLMEngine:
         self.aborted_metrics: list[RequestMetrics] = []  # reported with the next stats
         logger.info(
             "engine ready: model=%s dtype=%s device=%s backend=%s blocks=%d x %d tokens "
-            "max_model_len=%d",
+            "max_model_len=%d executor=%s tensor_parallel_size=%d",
             self.model_dir,
-            self.runner.dtype,
-            self.runner.device,
-            self.runner.backend.name,
-            self.runner.num_blocks,
+            self.executor.dtype,
+            self.executor.device,
+            self.executor.backend_name,
+            self.executor.num_blocks,
             self.config.block_size,
             self.config.max_model_len,
+            self.config.distributed_executor_backend,
+            self.config.tensor_parallel_size,
         )
 
-    def _resolve_max_model_len(self, config: EngineConfig) -> int:
-        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        if config.max_model_len is None:
-            return min(model_max, _MAX_MODEL_LEN_DEFAULT_CAP)
-        if config.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's limit {model_max}"
-            )
-        return config.max_model_len
+    @property
+    def runner(self):
+        """The in-thread ModelRunner (uni executor only; tests swap its sampler)."""
+        return self.executor.runner
+
+    def shutdown(self) -> None:
+        """Stops the model's worker processes, if any."""
+        self.executor.shutdown()
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (as vLLM applies them
@@ -146,7 +149,7 @@ class LLMEngine:
         t0 = time.monotonic()
         sched_out = self.scheduler.schedule()
         # Called on an empty batch too: the runner frees what finished_req_ids names.
-        runner_out = self.runner.execute(sched_out)
+        runner_out = self.executor.execute(sched_out)
         results = self.scheduler.update_from_output(sched_out, runner_out)
         for rid, chunk in runner_out.prompt_logprobs.items():
             if rid in self.request_states:
@@ -245,6 +248,19 @@ class LLMEngine:
             num_cached_free_blocks=pool.get_num_cached_free_blocks(),
             step_time=step_time,
         )
+
+
+def resolve_config(config: EngineConfig, hf_config) -> EngineConfig:
+    """The config with what the model decides filled in (max_model_len), the same on every host
+    (a headless node builds its ranks from it too)."""
+    model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if config.max_model_len is None:
+        return replace(config, max_model_len=min(model_max, _MAX_MODEL_LEN_DEFAULT_CAP))
+    if config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's limit {model_max}"
+        )
+    return config
 
 
 # generation_config.json keys that become SamplingParams defaults (vLLM's list, less max_tokens)

@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs
+from engine.distributed import get_tp, min_across_ranks
 from engine.dtype import resolve_dtype
 from engine.fused_decode import FusedDecode
 from engine.kv_cache_manager import cdiv
@@ -63,13 +64,17 @@ class ModelRunner:
         self.model = load_model(model_dir, hf_config, self.backend, self.dtype, self.device)
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
-        self.num_blocks = self._measure_num_blocks()
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim  # this rank's heads
+        self.tp = get_tp()
+        # Every rank's cache holds its KV heads with the same block tables: one pool size.
+        self.num_blocks = min_across_ranks(self._measure_num_blocks())
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(self.device, load_cpu_ops() if self.device.type == "cpu" else None)
         self._allocate_input_buffers()
-        self.decode_graphs = DecodeCudaGraphs.build(self)  # None: eager (CPU, --enforce-eager)
-        self.fused_decode = FusedDecode.build(self.model, self.backend)  # None: layer by layer
+        # Neither the graphs nor the fused decode step know the row-parallel all-reduces.
+        sharded = self.tp.world_size > 1
+        self.decode_graphs = None if sharded else DecodeCudaGraphs.build(self)  # None: eager
+        self.fused_decode = None if sharded else FusedDecode.build(self.model, self.backend)
 
     def _allocate_input_buffers(self) -> None:
         """Host buffers reused every step, sized for the largest possible batch."""
@@ -178,7 +183,10 @@ class ModelRunner:
         sampled: list[int | None] = [None] * len(out.requests)
         result = ModelRunnerOutput(sampled_token_ids=sampled)
         if logits_rows:
-            logits = self.model.compute_logits(hidden[logits_rows])
+            logits = self.model.compute_logits(hidden[logits_rows])  # a collective: every rank
+            if not self.tp.is_driver:  # only rank 0 samples and answers
+                compute_prompt_logprobs(self.model, hidden, out)
+                return result
             sampler_out = self.sampler(logits, [out.requests[i] for i in sample_idx])
             for i, tok in zip(sample_idx, sampler_out.sampled_token_ids):
                 sampled[i] = tok

@@ -3,29 +3,42 @@
 A checkpoint with a missing, extra or mis-shaped tensor, or a tokenizer with more tokens than the
 embedding has rows, stops start-up with a ValueError naming the file and the tensor (one line the
 CLI prints) instead of a size-mismatch traceback from inside torch.
+
+Under tensor parallelism each rank reads only its slice of a sharded tensor (safetensors'
+get_slice): the layer that owns the tensor says which rows or columns (load_shard).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
+
+from engine.distributed import get_tp
 
 _SHOWN = 3  # names listed per kind of problem; the count says how many more
 
 
-def read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """All tensors of the folder's *.safetensors, and the file each came from."""
+def read_weights(
+    model_dir: Path, model: nn.Module | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors of the folder's *.safetensors (this rank's slices of the sharded ones when
+    `model` is built for tensor parallelism), and the file each came from."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {model_dir}")
+    sharded = model is not None and get_tp().world_size > 1
     state: dict[str, torch.Tensor] = {}
     sources: dict[str, str] = {}
     for f in files:
         try:
-            tensors = load_file(f)
+            tensors = _read_shards(f, model) if sharded else load_file(f)
+        except ValueError:
+            raise
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise ValueError(f"{f.name}: not a readable safetensors file ({e})") from None
         state.update(tensors)
@@ -33,9 +46,44 @@ def read_weights(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
     return state, sources
 
 
+def _read_shards(path: Path, model: nn.Module) -> dict[str, torch.Tensor]:
+    tensors = {}
+    with safe_open(path, framework="pt") as f:
+        for name in f.keys():
+            owner = shard_owner(model, name)
+            if owner is None:  # replicated (norms, the router): read whole
+                tensors[name] = f.get_tensor(name)
+            else:
+                module, leaf, part = owner
+                tensors[name] = module.load_shard(leaf, part, f.get_slice(name)).contiguous()
+    return tensors
+
+
+_EXPERT = re.compile(r"(.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj)$")
+
+
+def shard_owner(model: nn.Module, name: str) -> tuple[nn.Module, str, str | None] | None:
+    """(the layer whose load_shard slices checkpoint tensor `name`, the parameter leaf, the part
+    of a fused parameter it is: q/k/v, gate_proj/up_proj), or None for a replicated tensor."""
+    prefix, _, leaf = name.rpartition(".")
+    owner_path, _, proj = prefix.rpartition(".")
+    expert = _EXPERT.match(prefix)
+    if expert:
+        module, part = _module(model, expert.group(1)), expert.group(2)
+    elif proj in ("q_proj", "k_proj", "v_proj"):
+        module, part = _module(model, f"{owner_path}.qkv_proj"), proj[0]
+    elif proj in ("gate_proj", "up_proj"):
+        module, part = _module(model, f"{owner_path}.gate_up_proj"), proj
+    else:
+        module, part = _module(model, prefix), None
+    if module is None or not hasattr(module, "load_shard"):
+        return None
+    return module, leaf, part
+
+
 def load_checked(model: nn.Module, model_dir: Path) -> None:
     """model.load_weights(the folder's tensors), after checking every shape against the model."""
-    state, sources = read_weights(model_dir)
+    state, sources = read_weights(model_dir, model)
     check_shapes(model, state, sources)
     missing, unexpected = model.load_weights(state)
     problems = []

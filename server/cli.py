@@ -81,6 +81,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"]
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    _add_parallel_args(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
@@ -101,6 +102,27 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--disable-playground",
         action="store_true",
         help="no playground page at / and no /kv/snapshot, /kv/stream (404)",
+    )
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Executor and multi-host flags (engine/executor.py), named as vLLM's."""
+    p.add_argument(
+        "--distributed-executor-backend",
+        choices=["uni", "mp"],
+        help="uni: the model in the server's process; mp: in worker processes (a worker crash "
+        "is reported, the server exits 1); default uni at one rank, mp above",
+    )
+    p.add_argument("--nnodes", type=int, default=1, help="hosts one replica spans")
+    p.add_argument("--node-rank", type=int, default=0, help="this host's index, 0 serves HTTP")
+    p.add_argument(
+        "--master-addr", default="127.0.0.1", help="node 0's address for the rendezvous"
+    )
+    p.add_argument("--master-port", type=int, help="rendezvous port; default a free one")
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this host's model workers (node rank > 0), no HTTP server",
     )
 
 
@@ -233,7 +255,7 @@ def build_server(args: argparse.Namespace, state=None):
     from server.metrics import Metrics
 
     engine = LLMEngine(engine_config(args))
-    print(f"pagedserve: attention backend: {engine.runner.backend.name}", flush=True)
+    print(f"pagedserve: attention backend: {engine.executor.backend_name}", flush=True)
     metrics = Metrics(engine.model_name)
     if state is not None:
         metrics.watch_connections(state.connections)
@@ -248,6 +270,46 @@ def build_server(args: argparse.Namespace, state=None):
     return async_engine, app
 
 
+def run_headless(args: argparse.Namespace) -> int:
+    """This host's share of the ranks, no HTTP: runs until the workers end (node 0 shut them
+    down: 0; one failed or the rendezvous broke: 1) or SIGTERM stops them (0)."""
+    import signal
+    from multiprocessing.connection import wait
+
+    from transformers import AutoConfig
+
+    from engine.distributed import check_tensor_parallel
+    from engine.executor import WorkerGroup
+    from engine.llm_engine import resolve_config
+    from engine.model_loader import resolve_model
+
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    try:
+        model_dir = resolve_model(args.model)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        config = resolve_config(engine_config(args), hf_config)
+        check_tensor_parallel(hf_config, config.tensor_parallel_size)
+        workers = WorkerGroup(config, model_dir, config.master_port)
+    except ValueError as e:
+        print(f"pagedserve: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    where = f"{args.master_addr}:{args.master_port}"
+    logger.info("headless: ranks %s joined the rendezvous at %s", workers.ranks, where)
+    sentinels = [p.sentinel for p in workers.processes]
+    while not stopping and len(wait(sentinels, timeout=0.5)) < len(sentinels):
+        if workers.dead_worker() and any(p.exitcode for p in workers.processes):
+            break
+    for proc in workers.processes:  # a sentinel fires a moment before the exit status is known
+        proc.join(0.0 if stopping else 5.0)
+    codes = [p.exitcode for p in workers.processes]
+    workers.stop()
+    if stopping:
+        return 0
+    logger.info("headless: workers ended (%s)", codes)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
 def main(argv: list[str] | None = None) -> None:
     # A native fault (SIGSEGV in a C++ kernel, SIGBUS, SIGFPE, SIGABRT, SIGILL) leaves every
     # thread's Python stack on stderr before the process dies by that signal.
@@ -258,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.command == "serve":
         _check_serve_args(args)
-        code = serve(args)
+        code = run_headless(args) if args.headless else serve(args)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -281,6 +343,8 @@ def _check_serve_args(args: argparse.Namespace) -> None:
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if args.headless and args.node_rank == 0:
+            raise ValueError("--headless is for node ranks above 0 (node 0 serves HTTP)")
         if args.enable_auto_tool_choice and not args.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     except ValueError as e:

@@ -5,6 +5,8 @@ start --> listening, /health 503 (loading) --> ready, /health 200
                      (after --shutdown-timeout the rest are failed, then exit 0;
                       --shutdown-timeout 0 fails them at once)
   ready --engine loop died or hung--> pending requests fail, /health 503 --> exit 1
+         (a model worker that died or stopped answering counts as the engine; either way the
+          worker processes are stopped before the exit, none outlives the server)
 """
 
 from __future__ import annotations
@@ -180,6 +182,8 @@ async def run_server(
     loader.thread.start()
     code = await supervise(server, switch, loader, settings)
     await serve_task
-    if code == 0 and loader.result is not None:
-        loader.result[0].shutdown()  # a clean stop of the engine thread after the drain
+    if loader.result is not None:
+        # after the drain a clean stop; after a failure (a hung loop) the join is short and the
+        # model's workers are killed either way
+        loader.result[0].shutdown(timeout=5.0 if code == 0 else 1.0)
     return code

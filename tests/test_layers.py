@@ -248,7 +248,8 @@ def test_implementation_is_chosen_once_at_load(ops, layer_model_dir, monkeypatch
         monkeypatch.setattr(cls, "select", counting)
     model, _ = _load(layer_model_dir, ops, torch.bfloat16, monkeypatch)
     n = len(_kernel_layers(model))
-    assert len(chosen) == n > 0 and "Linear" in chosen and "RMSNorm" in chosen
+    assert len(chosen) == n > 0 and "RMSNorm" in chosen
+    assert any(name.endswith("Linear") for name in chosen)  # the tensor-parallel ones too
     for _ in range(2):
         _forward(model)
     assert len(chosen) == n, "a forward chose an implementation again"

@@ -3,7 +3,9 @@ tokens routed to them.
 
 Weights are stacked per layer as transformers 5 holds them: gate_up_proj [E, 2I, H] (gate rows
 first) and down_proj [E, H, I]; checkpoints that store experts.{e}.gate_proj/up_proj/down_proj
-are stacked at load (engine/models/qwen3_moe.py).
+are stacked at load (engine/models/qwen3_moe.py). Under tensor parallelism every rank holds
+every expert with its share of the intermediate size (gate/up rows, down columns) and one
+all-reduce sums the partial outputs, as a row-parallel linear does.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import all_reduce, get_tp
 from engine.layers.base import NATIVE, KernelLayer
+from engine.layers.linear import _rank_rows, _split
 
 
 def route_top_k(
@@ -32,8 +36,12 @@ class Experts(KernelLayer):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        tp = get_tp()
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
         self.num_experts = num_experts
-        e, h, i = num_experts, hidden_size, intermediate_size
+        e, h = num_experts, hidden_size
+        i = _split(intermediate_size, tp.world_size, "moe_intermediate_size")
+        self.intermediate_size = i  # this rank's
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
@@ -55,4 +63,18 @@ class Experts(KernelLayer):
             gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down_proj[e])  # [n_e, H]
             out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(out.dtype))
-        return out
+        return all_reduce(out)
+
+    def load_shard(self, leaf: str, part: str | None, sl) -> torch.Tensor:
+        """This rank's intermediate rows of one expert's gate_proj/up_proj (part) or columns of
+        its down_proj, or of the stacked gate_up_proj [E, 2I, H] / down_proj [E, H, I] (leaf)."""
+        n, start = self.intermediate_size, self.tp_rank * self.intermediate_size
+        if part in ("gate_proj", "up_proj"):
+            return _rank_rows(sl, start, n)
+        if part == "down_proj":
+            return _rank_rows(sl, start, n, dim=1)
+        if leaf == "down_proj":
+            return _rank_rows(sl, start, n, dim=2)
+        half = sl.get_shape()[1] // 2
+        gate, up = _rank_rows(sl, start, n, dim=1), _rank_rows(sl, half + start, n, dim=1)
+        return torch.cat([gate, up], dim=1)

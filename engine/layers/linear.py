@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import all_reduce, get_tp
 from engine.layers.base import CPU, NATIVE, KernelLayer
 from kernels.cpu_linear import PackedLinear, can_pack
 
@@ -55,3 +56,122 @@ class Linear(KernelLayer):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.impl}"
+
+
+# ---- tensor-parallel linears (engine/distributed.py holds the rank) ------------------------------
+def _rank_rows(sl, start: int, size: int, dim: int = 0) -> torch.Tensor:
+    """Rows [start, start + size) along `dim` of a safetensors slice (only they are read)."""
+    index = [slice(None)] * len(sl.get_shape())
+    index[dim] = slice(start, start + size)
+    return sl[tuple(index)]
+
+
+def _split(total: int, world_size: int, what: str) -> int:
+    if total % world_size:
+        raise ValueError(f"{what} ({total}) does not divide by tensor_parallel_size {world_size}")
+    return total // world_size
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split over the ranks (W rows [rank * n, (rank + 1) * n)); no collective:
+    the next layer takes the shard (a row-parallel linear) or the caller gathers it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp = get_tp()
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
+        super().__init__(in_features, _split(out_features, tp.world_size, "output size"), bias)
+
+    def load_shard(self, leaf: str, part: str | None, sl) -> torch.Tensor:
+        n = sl.get_shape()[0] // self.tp_size
+        return _rank_rows(sl, self.tp_rank * n, n)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """gate and up (HF's gate_proj, up_proj) in one GEMM, each split over the ranks on its own,
+    so a rank holds [its gate rows; its up rows]."""
+
+    def __init__(self, in_features: int, part_size: int, bias: bool = False) -> None:
+        super().__init__(in_features, 2 * part_size, bias)
+        self.part_size = part_size // self.tp_size  # per rank
+
+    def load_shard(self, leaf: str, part: str | None, sl) -> torch.Tensor:
+        if part is not None:  # gate_proj or up_proj
+            return super().load_shard(leaf, part, sl)
+        half = sl.get_shape()[0] // 2  # stored fused (Phi-3): each half split on its own
+        n = half // self.tp_size
+        start = self.tp_rank * n
+        return torch.cat([_rank_rows(sl, start, n), _rank_rows(sl, half + start, n)])
+
+
+class QKVParallelLinear(Linear):
+    """q, k, v in one GEMM; a rank holds its query heads and its KV heads. With fewer KV heads
+    than ranks each KV head is replicated on tensor_parallel_size / num_kv_heads ranks.
+
+    num_heads, num_kv_heads, q_size, kv_size: this rank's.
+    """
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
+        tp = get_tp()
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
+        self.head_dim = head_dim
+        self.num_heads = _split(num_heads, tp.world_size, "num_attention_heads")
+        if num_kv_heads >= tp.world_size:
+            self.num_kv_heads = _split(num_kv_heads, tp.world_size, "num_key_value_heads")
+            self.kv_head_start = tp.rank * self.num_kv_heads
+        else:  # replicated: tensor_parallel_size must be a multiple of num_key_value_heads
+            if tp.world_size % num_kv_heads:
+                raise ValueError(
+                    f"tensor_parallel_size {tp.world_size} is not a multiple of "
+                    f"num_key_value_heads ({num_kv_heads})"
+                )
+            self.num_kv_heads = 1
+            self.kv_head_start = tp.rank // (tp.world_size // num_kv_heads)
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
+
+    def load_shard(self, leaf: str, part: str | None, sl) -> torch.Tensor:
+        d = self.head_dim
+        q_rows = (self.tp_rank * self.q_size, self.q_size)
+        kv_rows = (self.kv_head_start * d, self.kv_size)
+        if part == "q":
+            return _rank_rows(sl, *q_rows)
+        if part in ("k", "v"):
+            return _rank_rows(sl, *kv_rows)
+        # stored fused (Phi-3): [all q; all k; all v]
+        q_total, kv_total = self.total_num_heads * d, self.total_num_kv_heads * d
+        return torch.cat(
+            [
+                _rank_rows(sl, *q_rows),
+                _rank_rows(sl, q_total + kv_rows[0], kv_rows[1]),
+                _rank_rows(sl, q_total + kv_total + kv_rows[0], kv_rows[1]),
+            ]
+        )
+
+
+class RowParallelLinear(Linear):
+    """Input features split over the ranks (W columns); the partial products are summed with one
+    all-reduce. Only rank 0 holds the bias (the others load zeros), so it is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp = get_tp()
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
+        super().__init__(_split(in_features, tp.world_size, "input size"), out_features, bias)
+
+    def load_shard(self, leaf: str, part: str | None, sl) -> torch.Tensor:
+        if leaf == "bias":
+            full = sl[:]
+            return full if self.tp_rank == 0 else torch.zeros_like(full)
+        n = sl.get_shape()[1] // self.tp_size
+        return _rank_rows(sl, self.tp_rank * n, n, dim=1)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(F.linear(x, self.weight, self.bias))
+
+    def bind(self, impl: str) -> None:
+        super().bind(impl)
+        if impl != NATIVE and self.tp_size > 1:
+            packed = self.packed.forward
+            self.forward = lambda x: all_reduce(packed(x))

@@ -23,22 +23,31 @@ from engine.layers import (
     SiluAndMul,
     rope_from_config,
 )
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from kernels import AttentionBackend, AttentionMetadata
 
 
 class LlamaAttention(nn.Module):
+    """Head counts are this rank's under tensor parallelism (QKVParallelLinear splits them)."""
+
     def __init__(self, cfg, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = head_dim_of(cfg)
         self.scale = self.head_dim**-0.5
         qkv_bias, o_bias = self.biases(cfg)
         h, d = cfg.hidden_size, self.head_dim
-        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         # One GEMM for q, k and v (loaded from HF's q_proj/k_proj/v_proj, see load_weights).
-        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.num_heads * d, h, bias=o_bias)
+        self.qkv_proj = QKVParallelLinear(
+            h, d, cfg.num_attention_heads, cfg.num_key_value_heads, bias=qkv_bias
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, h, bias=o_bias)
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, self.scale, backend)
 
     def biases(self, cfg) -> tuple[bool, bool]:
@@ -66,8 +75,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
         # gate and up in one GEMM (loaded from HF's gate_proj/up_proj, see load_weights).
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, cfg.intermediate_size, bias=bias
+        )
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +115,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg, backend: AttentionBackend, layer_cls: type[nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             layer_cls(cfg, backend, i) for i in range(cfg.num_hidden_layers)
         )
@@ -119,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.rotary = rope_from_config(cfg, head_dim_of(cfg))  # raises for an unsupported scaling
         self.model = LlamaModel(cfg, backend, self.decoder_layer_cls)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, bias=False)
         if getattr(cfg, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -143,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         check_no_sliding_window(cfg, max_model_len)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
-        return self.lm_head(hidden).float()
+        return self.lm_head.logits(hidden).float()  # every rank's vocabulary shard, gathered
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
         """Loads Hugging Face names, stacking q/k/v and gate/up into the fused projections.
