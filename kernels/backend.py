@@ -52,8 +52,9 @@ class AttentionBackend:
     supports_cascade: bool = False
     # fused_decode() may return a step that runs every decoder layer of a decode batch at once.
     supports_fused_decode: bool = False
-    supports_sliding_window: bool = False  # no backend masks a window yet
-    supports_softcap: bool = False  # nor caps logits
+    # forward() takes window > 0 (sliding-window layers) / softcap > 0 (logit soft-capping).
+    supports_sliding_window: bool = False
+    supports_softcap: bool = False
 
     def write_kv(
         self,
@@ -72,7 +73,15 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """window W > 0 (Hugging Face's sliding_window): the query at absolute position i sees
+        keys i - W < j <= i, W keys with itself; 0 is full causal attention. Blocks wholly
+        before the first key any query of a sequence sees may hold any block id (freed) and are
+        never read. softcap c > 0: scores = c * tanh(q.k * scale / c) before mask and softmax
+        (Gemma 2's attn_logit_softcapping). Backends without supports_sliding_window /
+        supports_softcap raise ValueError when given one."""
         raise NotImplementedError
 
     def cascade_plan(self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int):

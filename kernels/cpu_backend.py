@@ -45,8 +45,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         else:
             super().write_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def _prefill_kernel_applies(self, query, k_cache) -> bool:
+    def _prefill_kernel_applies(self, query, k_cache, window: int = 0, softcap: float = 0.0):
         """bf16 on CPU, query rows [T, H, D] with heads contiguous, shapes the kernel covers."""
+        if window > 0 or softcap > 0:
+            return False
         if query.device.type != "cpu" or query.dtype != torch.bfloat16:
             return False
         if k_cache.dtype != torch.bfloat16 or query.stride(1) != query.shape[2]:
@@ -56,7 +58,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             self._prefill_supported[key] = bool(self.ops.amx_prefill_supported(*key))
         return self._prefill_supported[key]
 
-    def prefill(self, query, k_cache, v_cache, meta, seqs: list[int], starts, scale, out) -> None:
+    def prefill(
+        self, query, k_cache, v_cache, meta, seqs: list[int], starts, scale, out, window=0,
+        softcap=0.0,
+    ) -> None:
         """All prefill sequences in one call of the AMX kernel, K/V read from the cache."""
         cached = self._prefill_args
         if cached is None or cached[0] is not meta or cached[1] != seqs:  # once per step
@@ -71,11 +76,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.ops.paged_attention_prefill(out, query, k_cache, v_cache, *cached[2], scale)
 
     def decode(
-        self, query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale, shared_blocks=0
+        self, query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale, shared_blocks=0,
+        window: int = 0, softcap: float = 0.0,
     ):
         """With enough shared_blocks and sequences the cascade kernel reads the prefix once."""
-        if query.device.type != "cpu":
-            args = (block_table, seq_lens, max_seq_len, scale)
+        if query.device.type != "cpu" or window > 0 or softcap > 0:
+            args = (block_table, seq_lens, max_seq_len, scale, 0, window, softcap)
             return super().decode(query, k_cache, v_cache, *args)
         out = query.new_empty(query.shape)
         plan = self.cascade_plan(

@@ -60,14 +60,19 @@ class FlashAttentionBackend(AttentionBackend):
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._store_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(
+        self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
+        softcap: float = 0.0,
+    ):
+        # flash-attn's window counts keys left of the query: W keys with itself is (W - 1, 0).
+        extra = dict(window_size=(window - 1, 0) if window > 0 else (-1, -1), softcap=softcap)
         if self.version == 3:
-            return self._forward_fa3(query, k_cache, v_cache, meta, scale)
+            return self._forward_fa3(query, k_cache, v_cache, meta, scale, extra)
         if meta.is_decode_only:
-            return self._decode_fa2(query, k_cache, v_cache, meta, scale)
-        return self._prefill_fa2(query, k_cache, v_cache, meta, scale)
+            return self._decode_fa2(query, k_cache, v_cache, meta, scale, extra)
+        return self._prefill_fa2(query, k_cache, v_cache, meta, scale, extra)
 
-    def _decode_fa2(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def _decode_fa2(self, query, k_cache, v_cache, meta: AttentionMetadata, scale, extra):
         out = self.fa.flash_attn_with_kvcache(
             query.unsqueeze(1),  # [num_seqs, 1, num_heads, head_dim]
             k_cache,
@@ -76,10 +81,11 @@ class FlashAttentionBackend(AttentionBackend):
             block_table=meta.block_table,
             softmax_scale=scale,
             causal=True,
+            **extra,
         )
         return out.squeeze(1)
 
-    def _prefill_fa2(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def _prefill_fa2(self, query, k_cache, v_cache, meta: AttentionMetadata, scale, extra):
         # cu_seqlens_k: [num_seqs + 1] int32 offsets of each sequence's whole context
         cu_seqlens_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return self.fa.flash_attn_varlen_func(
@@ -93,14 +99,15 @@ class FlashAttentionBackend(AttentionBackend):
             softmax_scale=scale,
             causal=True,
             block_table=meta.block_table,
+            **extra,
         )
 
-    def _forward_fa3(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def _forward_fa3(self, query, k_cache, v_cache, meta: AttentionMetadata, scale, extra):
         if meta.is_decode_only:
-            q, extra = query.unsqueeze(1), {}
+            q = query.unsqueeze(1)
         else:  # ragged queries: q stays flat [num_tokens, num_heads, head_dim]
             q = query
-            extra = dict(cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len)
+            extra = dict(extra, cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len)
         out = self.fa.flash_attn_with_kvcache(
             q,
             k_cache,

@@ -200,7 +200,14 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         store_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(
+        self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
+        softcap: float = 0.0,
+    ):
+        if window > 0 or softcap > 0:
+            return paged_attention_mixed(
+                query, k_cache, v_cache, meta, scale, window=window, softcap=softcap
+            )
         if meta.is_decode_only:
             return paged_decode_attention(
                 query, k_cache, v_cache, meta.block_table, meta.seq_lens, scale

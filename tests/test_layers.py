@@ -302,9 +302,11 @@ def test_backends_declare_capabilities():
     flags = ("supports_cuda_graphs", "supports_cascade", "supports_fused_decode")
     flags += ("supports_sliding_window", "supports_softcap")
     assert not any(getattr(AttentionBackend, f) for f in flags)
-    assert not any(getattr(TorchAttentionBackend(), f) for f in flags)
+    torch_flags = [getattr(TorchAttentionBackend(), f) for f in flags]
+    assert torch_flags == [False, False, False, True, True]  # the oracle masks windows, caps
     cpu = CpuAttentionBackend(None)
     assert cpu.supports_cascade and cpu.supports_fused_decode and not cpu.supports_cuda_graphs
+    assert cpu.supports_sliding_window and cpu.supports_softcap
     assert TorchAttentionBackend().cascade_plan(9, torch.bfloat16, None, None, None, 99) is None
     assert TorchAttentionBackend().fused_decode(None) is None
 
