@@ -82,6 +82,22 @@ def plan_kv_groups(layer_windows: list[int]) -> KVCacheSpec:
     return KVCacheSpec(tuple(windows), tuple(layer_groups))
 
 
+def max_group_blocks(window: int, block_size: int, num_tokens: int, max_chunk: int) -> int:
+    """Most blocks a request with num_tokens KV tokens holds at once in a group, computing at
+    most max_chunk tokens per step."""
+    if not window:
+        return cdiv(num_tokens, block_size)
+    # A step's queries [c, c + n) read keys from c - W + 1: a span of n + W - 1 tokens.
+    span = min(max_chunk, num_tokens) + window - 1
+    return min(cdiv(num_tokens, block_size), cdiv(span - 1, block_size) + 1)
+
+
+def max_blocks_per_request(
+    windows: tuple[int, ...], block_size: int, num_tokens: int, max_chunk: int
+) -> int:
+    return sum(max_group_blocks(w, block_size, num_tokens, max_chunk) for w in windows)
+
+
 class KVGroup:
     """One group's block tables. Full attention: a request holds every block it wrote.
 
@@ -171,7 +187,7 @@ class KVGroup:
 
     def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
         """Most blocks one request of num_tokens KV tokens holds at once in this group."""
-        return cdiv(num_tokens, self.block_size)
+        return max_group_blocks(self.window, self.block_size, num_tokens, max_chunk)
 
     def check_integrity(self) -> list[int]:
         """Asserts the tables mirror each other; returns the block ids held (for ref counts)."""
@@ -229,10 +245,6 @@ class SlidingWindowGroup(KVGroup):
         if freed:
             self.pool.free_blocks(reversed(freed))  # oldest first: evicted before newer ones
 
-    def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
-        # A step's queries [c, c + n) read keys from c - W + 1: a span of n + W - 1 tokens.
-        span = min(max_chunk, num_tokens) + self.window - 1
-        return min(cdiv(num_tokens, self.block_size), cdiv(span - 1, self.block_size) + 1)
 
 
 def make_groups(

@@ -41,7 +41,9 @@ class LLMEngine:
         self.config = replace(config, max_model_len=self._resolve_max_model_len(config))
         self.model_name = config.served_model_name or _default_model_name(config.model)
         self.runner = ModelRunner(self.config, self.model_dir, self.hf_config)
-        self.scheduler = Scheduler(self.config, self.runner.num_blocks)
+        self.scheduler = Scheduler(
+            self.config, self.runner.num_blocks, self.runner.kv_cache_spec.windows
+        )
         self.generation_config = read_generation_config(self.model_dir)
         self.eos_token_ids = declared_eos_ids(self.hf_config, self.generation_config)
         self.eos_token_id = self.tokenizer.eos_token_id
