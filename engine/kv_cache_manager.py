@@ -151,9 +151,12 @@ class KVCacheManager:
         if sum(num_new) > pool.get_num_free_blocks() - num_evictable_hits:
             return None
         self._commit_query(rid)
+        # Every group's hits leave the free queue before any new block is taken from it: a new
+        # block for one group must never be another group's hit, evicted.
+        for hits in hits_per_group:
+            pool.touch(b for b in hits if b is not None)
         new_blocks: list[KVCacheBlock] = []
         for group, hits, n in zip(groups, hits_per_group, num_new):
-            pool.touch(b for b in hits if b is not None)
             blocks = pool.get_new_blocks(n) if n else []
             group.append(rid, hits, blocks)
             new_blocks += blocks

@@ -9,8 +9,6 @@ transformers 5 keeps both in rope_parameters {"sliding_attention": {...}, "full_
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from engine.layers import RMSNorm, check_rope, rope_from_config
@@ -33,7 +31,16 @@ class Gemma3DecoderLayer(Gemma2DecoderLayer):
     attention_cls = Gemma3Attention
 
 
-def rope_configs(cfg) -> dict[str, SimpleNamespace]:
+class RopeConfig:
+    """The attributes of a config that rope_from_config reads, for one layer kind."""
+
+    def __init__(self, params: dict, max_position_embeddings: int | None) -> None:
+        self.rope_parameters = dict(params)
+        self.rope_theta = float(params.get("rope_theta") or 10_000.0)
+        self.max_position_embeddings = max_position_embeddings
+
+
+def rope_configs(cfg) -> dict[str, RopeConfig]:
     """A config-like view per layer kind ("full_attention", "sliding_attention") that
     rope_from_config reads: that kind's rope parameters and theta."""
     params = getattr(cfg, "rope_parameters", None) or {}
@@ -47,14 +54,7 @@ def rope_configs(cfg) -> dict[str, SimpleNamespace]:
             },
         }
     max_positions = getattr(cfg, "max_position_embeddings", None)
-    return {
-        kind: SimpleNamespace(
-            rope_parameters=dict(p),
-            rope_theta=float(p.get("rope_theta") or 10_000.0),
-            max_position_embeddings=max_positions,
-        )
-        for kind, p in params.items()
-    }
+    return {kind: RopeConfig(p, max_positions) for kind, p in params.items()}
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
