@@ -1,9 +1,21 @@
-"""Decode attention side by side: per-sequence reference, batched torch, Triton (CUDA only).
+"""Attention side by side: per-sequence reference, batched torch, Triton (CUDA only), and the
+sliding-window case on the backends.
 
     python bench/attention_decode.py [--batch 32] [--context 512] [--device cpu|cuda]
+    python bench/attention_decode.py --window-case [--context 4096] [--window 512] [--batch 8]
+                                     [--threads N]
 
-Shapes are SmolLM2-135M's (9 query heads, 3 KV heads, head_dim 64), block_size 16, blocks
-scattered in the cache. Prints each path's median time and its speed-up over the reference.
+Default: SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64), block_size 16, blocks
+scattered in the cache; prints each decode path's median time and its speed-up over the
+reference.
+
+--window-case: Gemma 3 270M's shapes (4 query heads, 1 KV head, head_dim 256), every sequence at
+--context tokens: decode (--batch sequences, one new token each), a chunked-prefill step (512
+new tokens at the end of the context) and a whole prompt of --context tokens, each with full
+attention and with a --window sliding window, in float32 and bf16, through the attention
+backend (on CPU the C++ kernels) and through the torch oracle (TorchAttentionBackend). Times
+are the best of --repeat runs (a shared machine's other load only ever adds time); --threads
+sets torch's intra-op threads (1 keeps a busy machine's stragglers out of the numbers).
 """
 
 from __future__ import annotations
@@ -14,38 +26,55 @@ import time
 
 import torch
 
+from kernels import get_attention_backend
 from kernels.backend import AttentionMetadata
-from kernels.reference import paged_attention, paged_decode_attention
+from kernels.reference import TorchAttentionBackend, paged_attention, paged_decode_attention
+
+SMOLLM2 = (9, 3, 64)  # num_heads, num_kv_heads, head_dim
+GEMMA3_270M = (4, 1, 256)
 
 
-def make_inputs(batch: int, context: int, device: str, dtype: torch.dtype, block_size: int = 16):
-    gen = torch.Generator().manual_seed(0)
-    lens = torch.randint(context // 2, context + 1, (batch,), generator=gen).tolist()
+def make_cache(lens, shape, device, dtype, gen, block_size=16):
+    """Caches holding every sequence's blocks in shuffled order, and the block table."""
+    _, num_kv_heads, head_dim = shape
     num_blocks = [-(n // -block_size) for n in lens]
     total = sum(num_blocks)
-    k_cache = torch.randn(total, block_size, 3, 64, generator=gen).to(device, dtype)
-    v_cache = torch.randn(total, block_size, 3, 64, generator=gen).to(device, dtype)
+    k_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=gen)
     perm = torch.randperm(total, generator=gen)
-    table = torch.zeros(batch, max(num_blocks), dtype=torch.int32)
+    table = torch.zeros(len(lens), max(num_blocks), dtype=torch.int32)
     used = 0
     for i, n in enumerate(num_blocks):
         table[i, :n] = perm[used : used + n].to(torch.int32)
         used += n
-    q = torch.randn(batch, 9, 64, generator=gen).to(device, dtype)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(batch, dtype=torch.int64, device=device),
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        block_table=table.to(device),
-        query_lens_cpu=[1] * batch,
-        seq_lens_cpu=lens,
-        max_query_len=1,
-        max_seq_len=max(lens),
+    return k_cache.to(device, dtype), v_cache.to(device, dtype), table.to(device)
+
+
+def make_meta(query_lens, seq_lens, table, device) -> AttentionMetadata:
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=table,
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
     )
-    return q, k_cache, v_cache, meta
 
 
-def median_ms(fn, device: str, repeat: int) -> float:
+def make_inputs(batch: int, context: int, device: str, dtype: torch.dtype, shape=SMOLLM2):
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(context // 2, context + 1, (batch,), generator=gen).tolist()
+    k_cache, v_cache, table = make_cache(lens, shape, device, dtype, gen)
+    q = torch.randn(batch, shape[0], shape[2], generator=gen).to(device, dtype)
+    return q, k_cache, v_cache, make_meta([1] * batch, lens, table, device)
+
+
+def median_ms(fn, device: str, repeat: int, stat=statistics.median) -> float:
     fn()
     times = []
     for _ in range(repeat):
@@ -56,16 +85,10 @@ def median_ms(fn, device: str, repeat: int) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return stat(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--repeat", type=int, default=10)
-    args = ap.parse_args()
+def decode_paths(args) -> None:
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     q, k_cache, v_cache, meta = make_inputs(args.batch, args.context, args.device, dtype)
     scale = 64**-0.5
@@ -89,6 +112,68 @@ def main() -> None:
         ms = median_ms(fn, args.device, args.repeat)
         base = base or ms
         print(f"  {name:24s} {ms:9.3f} ms  x{base / ms:6.2f}  rel err {err:.1e}")
+
+
+def window_case(args) -> None:
+    """Gemma 3 270M's attention with and without a sliding window, backend against oracle."""
+    backend = get_attention_backend("auto", args.device)
+    oracle = TorchAttentionBackend()
+    ctx, shape = args.context, GEMMA3_270M
+    phases = {  # name: (query lens, seq lens)
+        f"decode x{args.batch}": ([1] * args.batch, [ctx] * args.batch),
+        "prefill 512 of ctx": ([512], [ctx]),
+        "prompt of ctx": ([ctx], [ctx]),
+    }
+    print(
+        f"attention, Gemma 3 270M shapes (H {shape[0]}, Hkv {shape[1]}, D {shape[2]}), "
+        f"context {ctx}, window {args.window}, {args.device}, backend {type(backend).__name__}, "
+        f"{torch.get_num_threads()} threads, best of {args.repeat}"
+    )
+    print(f"  {'phase':20s} {'dtype':9s} {'window':>6s} {'backend ms':>11s} {'oracle ms':>10s}"
+          f"  rel err")
+    for dtype in (torch.float32, torch.bfloat16):
+        for phase, (q_lens, seq_lens) in phases.items():
+            gen = torch.Generator().manual_seed(1)
+            k_cache, v_cache, table = make_cache(seq_lens, shape, args.device, dtype, gen)
+            meta = make_meta(q_lens, seq_lens, table, args.device)
+            q = torch.randn(sum(q_lens), shape[0], shape[2], generator=gen).to(args.device, dtype)
+            inputs = (q, k_cache, v_cache, meta, shape[2] ** -0.5)
+            for window in (0, args.window):
+                ms, ms_oracle, err = time_both(backend, oracle, inputs, window, args)
+                name = str(dtype).removeprefix("torch.")
+                print(f"  {phase:20s} {name:9s} {window or 'full':>6} {ms:11.3f} "
+                      f"{ms_oracle:10.3f}  {err:.1e}")
+
+
+def time_both(backend, oracle, inputs, window: int, args) -> tuple[float, float, float]:
+    """(backend ms, oracle ms, relative error of the backend against the oracle)."""
+    def run(b):
+        return b.forward(*inputs, window=window)
+
+    want = run(oracle).float()
+    err = ((run(backend).float() - want).norm() / want.norm()).item()
+    ms = median_ms(lambda: run(backend), args.device, args.repeat, min)
+    return ms, median_ms(lambda: run(oracle), args.device, args.repeat, min), err
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=None, help="32; 8 with --window-case")
+    ap.add_argument("--context", type=int, default=None, help="512; 4096 with --window-case")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--window-case", action="store_true", help="Gemma 3 270M, window vs full")
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.window_case:
+        args.batch, args.context = args.batch or 8, args.context or 4096
+        window_case(args)
+    else:
+        args.batch, args.context = args.batch or 32, args.context or 512
+        decode_paths(args)
 
 
 if __name__ == "__main__":

@@ -80,13 +80,17 @@ class AttentionBackend:
         keys i - W < j <= i, W keys with itself; 0 is full causal attention. Blocks wholly
         before the first key any query of a sequence sees may hold any block id (freed) and are
         never read. softcap c > 0: scores = c * tanh(q.k * scale / c) before mask and softmax
-        (Gemma 2's attn_logit_softcapping). Backends without supports_sliding_window /
-        supports_softcap raise ValueError when given one."""
+        (Gemma 2's attn_logit_softcapping). Every backend here declares both
+        (supports_sliding_window, supports_softcap)."""
         raise NotImplementedError
 
-    def cascade_plan(self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int):
+    def cascade_plan(
+        self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int,
+        window: int = 0, softcap: float = 0.0,
+    ):
         """(prefix block ids, prefix length, suffix block table, suffix lengths), or None: run
-        the batch without a cascade. Only backends with supports_cascade return a plan."""
+        the batch without a cascade. Only backends with supports_cascade return a plan; they
+        may decline a windowed or soft-capped layer."""
         return None
 
     def fused_decode(self, stack: DecoderStack) -> FusedDecodeStep | None:
@@ -112,6 +116,9 @@ class DecoderStack:
     head_dim: int
     scale: float
     dtype: torch.dtype
+    # Any layer's sliding window / logit cap (0: none); fused decode kernels decline either.
+    window: int = 0
+    softcap: float = 0.0
 
 
 class FusedDecodeStep:

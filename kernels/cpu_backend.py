@@ -19,6 +19,10 @@ from kernels.reference import TorchAttentionBackend
 # once for all (the cascade kernel); below either, the one-pass decode kernel is as fast.
 CASCADE_MIN_TOKENS = 128
 CASCADE_MIN_SEQS = 8
+# Prefill at head_dim 256 takes the AMX kernel while each query reads at most this many keys (a
+# window no longer, or a context no longer); past it SDPA is faster (bench/attention_decode.py
+# --window-case, "prompt of ctx" at full attention).
+PREFILL_D256_MAX_KEYS = 2048
 # Decode steps up to this many sequences run every layer in one kernel call (ops.decode_layers);
 # the AMX linears take every decode-sized call up to here (kernels/cpu_linear.py AMX_MAX_ROWS).
 FUSED_DECODE_MAX_ROWS = 32
@@ -45,10 +49,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         else:
             super().write_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def _prefill_kernel_applies(self, query, k_cache, window: int = 0, softcap: float = 0.0):
-        """bf16 on CPU, query rows [T, H, D] with heads contiguous, shapes the kernel covers."""
-        if window > 0 or softcap > 0:
-            return False
+    def _prefill_kernel_applies(
+        self, query, k_cache, meta: AttentionMetadata, window: int = 0, softcap: float = 0.0
+    ) -> bool:
+        """bf16 on CPU, query rows [T, H, D] with heads contiguous, shapes the kernel covers
+        (window and softcap are the kernel's too); head_dim 256 up to PREFILL_D256_MAX_KEYS."""
+        if query.shape[2] == 256 and not 0 < window <= PREFILL_D256_MAX_KEYS:
+            if meta.max_seq_len > PREFILL_D256_MAX_KEYS:
+                return False
         if query.device.type != "cpu" or query.dtype != torch.bfloat16:
             return False
         if k_cache.dtype != torch.bfloat16 or query.stride(1) != query.shape[2]:
@@ -73,31 +81,40 @@ class CpuAttentionBackend(TorchAttentionBackend):
                 torch.tensor([meta.seq_lens_cpu[i] for i in seqs], dtype=torch.int32),
             )
             cached = self._prefill_args = (meta, list(seqs), args)
-        self.ops.paged_attention_prefill(out, query, k_cache, v_cache, *cached[2], scale)
+        self.ops.paged_attention_prefill(
+            out, query, k_cache, v_cache, *cached[2], scale, window, softcap
+        )
 
     def decode(
         self, query, k_cache, v_cache, block_table, seq_lens, max_seq_len, scale, shared_blocks=0,
         window: int = 0, softcap: float = 0.0,
     ):
         """With enough shared_blocks and sequences the cascade kernel reads the prefix once."""
-        if query.device.type != "cpu" or window > 0 or softcap > 0:
+        if query.device.type != "cpu":
             args = (block_table, seq_lens, max_seq_len, scale, 0, window, softcap)
             return super().decode(query, k_cache, v_cache, *args)
         out = query.new_empty(query.shape)
         plan = self.cascade_plan(
-            query.shape[1], query.dtype, k_cache, block_table, seq_lens, shared_blocks
+            query.shape[1], query.dtype, k_cache, block_table, seq_lens, shared_blocks, window,
+            softcap,
         )
         if plan is not None:
             self.ops.paged_attention_cascade(out, query, k_cache, v_cache, *plan, scale)
             return out
-        self.ops.paged_attention_decode(out, query, k_cache, v_cache, block_table, seq_lens, scale)
+        self.ops.paged_attention_decode(
+            out, query, k_cache, v_cache, block_table, seq_lens, scale, window, softcap
+        )
         return out
 
-    def cascade_plan(self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int):
+    def cascade_plan(
+        self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int,
+        window: int = 0, softcap: float = 0.0,
+    ):
         """A plan when the cascade kernel takes this decode batch: a shared prefix of
-        CASCADE_MIN_TOKENS over CASCADE_MIN_SEQS sequences, bf16, shapes the AMX kernel covers."""
+        CASCADE_MIN_TOKENS over CASCADE_MIN_SEQS sequences, bf16, shapes the AMX kernel covers,
+        full attention without a cap (a window would skip the prefix anyway)."""
         block_size = k_cache.shape[1]
-        if shared_blocks * block_size < CASCADE_MIN_TOKENS:
+        if shared_blocks * block_size < CASCADE_MIN_TOKENS or window > 0 or softcap > 0:
             return None
         if block_table.shape[0] < CASCADE_MIN_SEQS or dtype != torch.bfloat16:
             return None
@@ -116,8 +133,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def fused_decode(self, stack: DecoderStack) -> CpuFusedDecode | None:
         """The decode_layers step for a bf16 stack whose projections are all AMX-packed (the
-        caller passes None weights for any the kernel does not hold), else None."""
+        caller passes None weights for any the kernel does not hold), else None; None too for
+        a stack with a sliding window or a logit cap (decode_layers has neither)."""
         if stack.dtype != torch.bfloat16 or any(w is None for w in stack.layer_weights):
+            return None
+        if stack.window > 0 or stack.softcap > 0:
             return None
         return CpuFusedDecode(self, stack)
 

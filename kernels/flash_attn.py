@@ -10,6 +10,10 @@ then attention reads it back through the block table:
         flash_attn_with_kvcache(q[:, None], k_cache, v_cache, cache_seqlens=seq_lens,
                                 block_table=..., causal=True)
 
+A sliding window of W keys (the query and the W - 1 before it) is window_size=(W - 1, 0);
+soft-capping is softcap=c, both in every call. flash-attn never reads the pages left of a
+window, so the block table may hold placeholder ids there.
+
 flash-attn 2 takes paged KV only when block_size % 256 == 0. flash-attn 3 (the Hopper build,
 module `flash_attn_interface`) takes any block size through `page_table`, and serves both
 phases from flash_attn_with_kvcache with cu_seqlens_q for ragged queries.
@@ -51,6 +55,8 @@ def check_block_size(block_size: int, fa_version: int) -> None:
 class FlashAttentionBackend(AttentionBackend):
     name = "flash_attn"
     supports_cuda_graphs = True
+    supports_sliding_window = True
+    supports_softcap = True
 
     def __init__(self, module: ModuleType, version: int, store_kv=None) -> None:
         self.fa = module

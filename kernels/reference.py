@@ -100,12 +100,31 @@ def attend_one(
     window: int = 0, softcap: float = 0.0,
 ):
     """Sequence i's rows of `out`: its new queries over its gathered context (from the first
-    block its window reaches)."""
+    block its window reaches). Under a window, a long run of queries goes `window` at a time,
+    each over its own keys only, so the work grows with q_len * window, not q_len * kv_len."""
     q_len, kv_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+    blocks = meta.block_table[i]
+    if window <= 0 or q_len <= 2 * window:
+        attend_rows(query, k_cache, v_cache, blocks, start, q_len, kv_len, scale, out, window,
+                    softcap)
+        return
+    for q0 in range(0, q_len, window):
+        n = min(window, q_len - q0)
+        end = kv_len - q_len + q0 + n  # the context of this run ends at its last query
+        attend_rows(query, k_cache, v_cache, blocks, start + q0, n, end, scale, out, window,
+                    softcap)
+
+
+def attend_rows(
+    query, k_cache, v_cache, block_ids, start: int, q_len: int, kv_len: int, scale, out,
+    window: int = 0, softcap: float = 0.0,
+):
+    """Rows start..start + q_len of `out`: queries at the last q_len positions of a kv_len-token
+    context held in the blocks `block_ids`."""
     first = first_visible_block(kv_len - q_len, window, k_cache.shape[1])
     q = query[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
-    k = gather_kv(k_cache, meta.block_table[i], kv_len, first).transpose(0, 1)  # [Hkv, L, D]
-    v = gather_kv(v_cache, meta.block_table[i], kv_len, first).transpose(0, 1)
+    k = gather_kv(k_cache, block_ids, kv_len, first).transpose(0, 1)  # [Hkv, L, D]
+    v = gather_kv(v_cache, block_ids, kv_len, first).transpose(0, 1)
     # A whole prompt (q_len == kv_len) is plain causal: no mask tensor, blocks above skipped.
     fresh = q_len == kv_len and q_len > 1 and window <= 0
     mask = None
@@ -264,14 +283,16 @@ class TorchAttentionBackend(AttentionBackend):
                 query, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.max_seq_len, scale,
                 shared, window=window, softcap=softcap,
             )
-        applies = self._prefill_kernel_applies(query, k_cache, window, softcap)
+        applies = self._prefill_kernel_applies(query, k_cache, meta, window, softcap)
         prefill = self.prefill if applies else None
         decode = functools.partial(self.decode, shared_blocks=shared) if shared else self.decode
         return paged_attention_mixed(
             query, k_cache, v_cache, meta, scale, decode, prefill, window, softcap
         )
 
-    def _prefill_kernel_applies(self, query, k_cache, window: int = 0, softcap: float = 0.0):
+    def _prefill_kernel_applies(
+        self, query, k_cache, meta: AttentionMetadata, window: int = 0, softcap: float = 0.0
+    ) -> bool:
         """Whether prefill() takes this batch's prefill sequences; the reference has none."""
         return False
 

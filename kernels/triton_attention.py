@@ -7,6 +7,10 @@ an online softmax (running max m, running sum l, unnormalised accumulator acc) i
     block_table[s] = [b7, b2, b9, ...]   tile t covers tokens t*BLOCK_N .. t*BLOCK_N+BLOCK_N-1,
                                          all inside physical block block_table[s][t*BLOCK_N // bs]
 
+A sliding window of W keys starts the walk at the tile holding key seq_len - W (the blocks
+before it are never read, they may be freed) and masks the keys before it in that tile;
+soft-capping replaces each score s by cap * tanh(s / cap) before the softmax.
+
 Prefill and mixed batches go through the torch path (SDPA); decode is where a paged kernel
 pays. Both kernels are launched with a grid fixed by the batch size and read lengths from
 tensors, so they can be captured in CUDA graphs. Tests run them on CPU with TRITON_INTERPRET=1.
@@ -86,6 +90,8 @@ def _paged_decode_kernel(
     block_table_ptr,  # [num_seqs, max_num_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     scale,
+    window,  # keys per query including itself; 0: the whole context
+    softcap,  # cap * tanh(s / cap) on the scores where HAS_SOFTCAP
     stride_q_s,
     stride_q_h,
     stride_o_s,
@@ -100,10 +106,14 @@ def _paged_decode_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # KV cache block size
     BLOCK_N: tl.constexpr,  # tokens per tile; divides BLOCK_SIZE
+    HAS_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    first_key = 0  # the query at seq_len - 1 sees keys first_key .. seq_len - 1
+    if window > 0:
+        first_key = tl.maximum(seq_len - window, 0)
 
     g = tl.arange(0, GROUP_PAD)  # [G]
     d = tl.arange(0, HEAD_DIM_PAD)  # [D]
@@ -119,11 +129,11 @@ def _paged_decode_kernel(
     l_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    for tile in range(0, num_tiles):
+    for tile in range(first_key // BLOCK_N, num_tiles):
         start = tile * BLOCK_N
         block_id = tl.load(block_table_ptr + seq * stride_bt_s + start // BLOCK_SIZE).to(tl.int64)
         tok = start % BLOCK_SIZE + n  # [N] offsets inside the physical block
-        n_mask = start + n < seq_len
+        n_mask = (start + n < seq_len) & (start + n >= first_key)
         kv_offs = (
             block_id * stride_c_b + tok[:, None] * stride_c_t + kv_head * stride_c_h + d[None, :]
         )
@@ -131,6 +141,8 @@ def _paged_decode_kernel(
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # [N, D]
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, N]
+        if HAS_SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
@@ -153,7 +165,10 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """window W > 0: each query sees its last W keys; softcap > 0: logit soft-capping."""
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
@@ -169,6 +184,8 @@ def paged_decode_attention(
         block_table,
         seq_lens,
         scale,
+        window,
+        softcap if softcap > 0 else 1.0,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -183,6 +200,7 @@ def paged_decode_attention(
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_N=min(block_size, _tile_tokens(group, head_dim)),
+        HAS_SOFTCAP=softcap > 0,
     )
     return out
 
@@ -196,6 +214,8 @@ def _tile_tokens(group: int, head_dim: int) -> int:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    supports_sliding_window = True
+    supports_softcap = True
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         store_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -204,12 +224,11 @@ class TritonAttentionBackend(AttentionBackend):
         self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
         softcap: float = 0.0,
     ):
-        if window > 0 or softcap > 0:
-            return paged_attention_mixed(
-                query, k_cache, v_cache, meta, scale, window=window, softcap=softcap
-            )
         if meta.is_decode_only:
             return paged_decode_attention(
-                query, k_cache, v_cache, meta.block_table, meta.seq_lens, scale
+                query, k_cache, v_cache, meta.block_table, meta.seq_lens, scale,
+                window=window, softcap=softcap,
             )
-        return paged_attention_mixed(query, k_cache, v_cache, meta, scale)
+        return paged_attention_mixed(
+            query, k_cache, v_cache, meta, scale, window=window, softcap=softcap
+        )

@@ -4,7 +4,12 @@ Same signatures and shapes as flash_attn.flash_attn_varlen_func / flash_attn_wit
 a paged KV cache, the same argument checks that matter to a caller (int32 metadata, block size a
 multiple of 256, head counts), and the causal mask aligned to the bottom-right corner:
 query i of a sequence with seqlen_q queries and seqlen_k keys sees keys j <= i + seqlen_k -
-seqlen_q. Every call is recorded in `calls` so tests can see which entry point ran.
+seqlen_q. window_size=(left, right), not (-1, -1), is local attention: query i sees keys j in
+[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right] (-1: unbounded that side;
+causal=True bounds the right at 0); only the pages from the one holding the first key any query
+sees are read, as the real kernels skip the pages left of every window. softcap > 0: scores
+are softcap * tanh(q.k * softmax_scale / softcap) before the mask. Every call is recorded in
+`calls` so tests can see which entry point ran.
 """
 
 from __future__ import annotations
@@ -27,26 +32,42 @@ def _check_paged(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torc
     assert k_cache.stride(-1) == 1, "k_cache must have contiguous last dimension"
 
 
-def _paged_kv(cache: torch.Tensor, blocks: torch.Tensor, seqlen_k: int) -> torch.Tensor:
-    """The first seqlen_k tokens of one sequence: [seqlen_k, nheads_k, headdim]."""
+def _first_page_pos(cache: torch.Tensor, seqlen_q: int, seqlen_k: int, window_size) -> int:
+    """The first key position read: the start of the page holding the first visible key."""
+    left = window_size[0]
+    if left < 0:
+        return 0
     page = cache.shape[1]
-    pos = torch.arange(seqlen_k)
+    return max(0, seqlen_k - seqlen_q - left) // page * page
+
+
+def _paged_kv(cache: torch.Tensor, blocks: torch.Tensor, seqlen_k: int, lo: int = 0):
+    """Tokens lo..seqlen_k - 1 of one sequence: [seqlen_k - lo, nheads_k, headdim]."""
+    page = cache.shape[1]
+    pos = torch.arange(lo, seqlen_k)
     return cache[blocks.long()[pos // page], pos % page]
 
 
-def _attend(q, k, v, scale: float, causal: bool) -> torch.Tensor:
-    """q [Lq, H, D], k/v [Lk, Hk, D] -> [Lq, H, D]; explicit softmax, no SDPA."""
+def _attend(q, k, v, scale: float, causal: bool, window_size, softcap, lk: int, lo: int = 0):
+    """q [Lq, H, D], k/v [Lk - lo, Hk, D] (keys lo.. of lk) -> [Lq, H, D]; explicit softmax."""
     lq, nheads, _ = q.shape
-    lk, nheads_k, _ = k.shape
+    nheads_k = k.shape[1]
     assert nheads % nheads_k == 0, "Number of heads in key/value must divide number of heads"
     group = nheads // nheads_k
     k = k.repeat_interleave(group, dim=1).float()  # head h reads KV head h // group
     v = v.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    left, right = window_size
     if causal:
-        i = torch.arange(lq)[:, None]
-        j = torch.arange(lk)[None, :]
-        scores = scores.masked_fill(j > i + lk - lq, float("-inf"))
+        right = 0
+    diag = torch.arange(lq)[:, None] + lk - lq  # key position in line with each query
+    j = torch.arange(lo, lk)[None, :]
+    if right >= 0:
+        scores = scores.masked_fill(j > diag + right, float("-inf"))
+    if left >= 0:
+        scores = scores.masked_fill(j < diag - left, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows give zeros
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
 
@@ -72,7 +93,8 @@ def flash_attn_varlen_func(
     """q [total_q, H, D]; with block_table, k/v are [num_blocks, page_block_size, Hk, D]."""
     calls.append("flash_attn_varlen_func")
     assert block_table is not None, "this stand-in only models the paged-KV form"
-    assert dropout_p == 0.0 and window_size == (-1, -1) and alibi_slopes is None
+    assert dropout_p == 0.0 and alibi_slopes is None
+    window_size = tuple(window_size)
     _check_paged(k, v, block_table)
     assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
     batch = cu_seqlens_q.numel() - 1
@@ -83,9 +105,10 @@ def flash_attn_varlen_func(
         q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
         seqlen_k = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
         assert q1 - q0 <= max_seqlen_q and seqlen_k <= max_seqlen_k
-        kb = _paged_kv(k, block_table[b], seqlen_k)
-        vb = _paged_kv(v, block_table[b], seqlen_k)
-        out[q0:q1] = _attend(q[q0:q1], kb, vb, scale, causal)
+        lo = _first_page_pos(k, q1 - q0, seqlen_k, window_size)
+        kb = _paged_kv(k, block_table[b], seqlen_k, lo)
+        vb = _paged_kv(v, block_table[b], seqlen_k, lo)
+        out[q0:q1] = _attend(q[q0:q1], kb, vb, scale, causal, window_size, softcap, seqlen_k, lo)
     return out
 
 
@@ -120,9 +143,11 @@ def flash_attn_with_kvcache(
     assert cache_seqlens.shape == (batch,) and block_table.shape[0] == batch
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = torch.empty_like(q)
+    window_size = tuple(window_size)
     for b in range(batch):
         seqlen_k = int(cache_seqlens[b])
-        kb = _paged_kv(k_cache, block_table[b], seqlen_k)
-        vb = _paged_kv(v_cache, block_table[b], seqlen_k)
-        out[b] = _attend(q[b], kb, vb, scale, causal)
+        lo = _first_page_pos(k_cache, q.shape[1], seqlen_k, window_size)
+        kb = _paged_kv(k_cache, block_table[b], seqlen_k, lo)
+        vb = _paged_kv(v_cache, block_table[b], seqlen_k, lo)
+        out[b] = _attend(q[b], kb, vb, scale, causal, window_size, softcap, seqlen_k, lo)
     return out

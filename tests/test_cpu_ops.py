@@ -25,10 +25,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from window_attention import window_inputs
 
 from engine.layers import RMSNorm, RotaryEmbedding, apply_rope
 from kernels.backend import AttentionMetadata
-from kernels.cpu_backend import CpuAttentionBackend
+from kernels.cpu_backend import PREFILL_D256_MAX_KEYS, CpuAttentionBackend
 from kernels.cpu_linear import (
     AMX_MAX_ROWS,
     AMX_NARROW_MAX_OUT,
@@ -315,6 +316,8 @@ DECODE_CASES = [
     ("per-head", 8, 9, 3, 128, [24, 7, 50]),
     ("per-head", 16, 4, 4, 128, [1]),
     ("per-head", 8, 10, 2, 64, [41, 8, 19]),  # GQA 5: four query heads, then one
+    ("per-seq", 16, 4, 1, 256, [300, 7, 16, 33]),  # Gemma's head_dim 256 in registers
+    ("per-head", 16, 8, 2, 256, [65, 17]),  # head_dim 256, one query head at a time
     ("scalar", 16, 8, 2, 32, [1, 16, 17, 40, 5]),
     ("scalar", 8, 9, 3, 80, [24, 13]),
     ("scalar", 8, 4, 4, 80, [9, 64, 3, 1]),
@@ -340,7 +343,8 @@ def _run_decode(ops, case, dtype, seed=0, amx=False):
     path, block_size, heads, kv_heads, head_dim, seq_lens = case
     batch = len(seq_lens)
     if not path.startswith("amx"):
-        expect_per_seq = head_dim in (64, 128) and batch >= 2 * THREADS and dtype != torch.float16
+        expect_per_seq = head_dim in (64, 128, 256) and batch >= 2 * THREADS
+        expect_per_seq = expect_per_seq and dtype != torch.float16
         assert (path == "per-seq") == expect_per_seq, "case list out of step with the dispatch"
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_table = make_paged(block_size, kv_heads, head_dim, seq_lens, dtype, gen)
@@ -855,6 +859,7 @@ CASCADE_CASES = [
     (16, 16, 1, 64, 64, [3, 16, 17]),  # 16 query heads per KV head: one full tile per sequence
     (32, 10, 2, 128, 96, [33, 1, 64, 95, 2, 40, 31, 7, 32]),  # GQA 5, head_dim 128, block 32
     (16, 4, 4, 64, 40, [1] * 17),  # MHA, a 40-token prefix (2.5 blocks), one-token suffixes
+    (16, 4, 1, 256, 64, [3, 16, 17, 40, 9]),  # Gemma 3's head_dim 256 on one KV head
 ]
 
 
@@ -1192,3 +1197,133 @@ def test_build_lock_clears_a_dead_builds_lock_and_admits_one_builder_at_a_time(t
         assert held.returncode == 3, "a second builder got the lock while the first held it"
     free = subprocess.run([sys.executable, "-c", probe], timeout=60)
     assert free.returncode == 0
+
+
+# ---- sliding windows and logit soft-capping -----------------------------------------------------
+# Against the dense definition in tests/window_attention.py; the blocks behind each window are
+# placeholders full of NaN and inf, so a kernel that reads them fails.
+# (block_size, num_heads, num_kv_heads, head_dim, seq_lens, window, softcap), one query each:
+DECODE_WINDOW_CASES = [
+    (16, 4, 1, 256, [4096, 600, 513, 512], 512, 0.0),  # Gemma 3 270M, one task per sequence
+    (16, 4, 1, 256, [700, 37], 512, 50.0),  # per (sequence, KV head), W > one context
+    (16, 8, 2, 64, [40, 8, 16, 17, 100, 33], 8, 30.0),  # W on and off block boundaries
+    (16, 8, 2, 128, [70, 33, 1], 16, 0.0),  # W = block size
+    (8, 9, 3, 128, [29, 64, 12, 7, 90], 13, 20.0),  # blocks of 8: no AMX
+    (16, 6, 2, 80, [50, 20, 3], 21, 10.0),  # head_dim 80: the portable loop
+    (16, 4, 4, 64, [50, 20, 3, 9], 0, 30.0),  # softcap alone
+    (16, 4, 2, 64, [1, 2, 33], 1, 0.0),  # W = 1: the query's own key only
+]
+
+
+def _window_decode_id(c) -> str:
+    return f"bs{c[0]}-h{c[1]}/{c[2]}-d{c[3]}-b{len(c[4])}-w{c[5]}-c{c[6]:g}"
+
+
+def _decode_window_inputs(case, dtype, seed=0):
+    block_size, heads, kv_heads, head_dim, seq_lens, window, softcap = case
+    full = (block_size, heads, kv_heads, head_dim, [1] * len(seq_lens), seq_lens, window, softcap)
+    return window_inputs(full, seed=seed, dtype=dtype)
+
+
+@pytest.mark.parametrize("path", ["float32", "bfloat16", "bfloat16-amx"])
+@pytest.mark.parametrize("case", DECODE_WINDOW_CASES, ids=_window_decode_id)
+def test_paged_decode_window_softcap_matches_definition(ops, case, path):
+    dtype = torch.float32 if path == "float32" else torch.bfloat16
+    amx = path.endswith("amx")
+    if amx and not _amx_available():
+        pytest.skip("no AMX here")
+    q, k_cache, v_cache, meta, scale, window, softcap, want, skipped = _decode_window_inputs(
+        case, dtype
+    )
+    assert window == 0 or window >= max(meta.seq_lens_cpu) or any(skipped)
+    out = torch.full_like(q, float("nan"))
+    with num_threads(THREADS), amx_decode(ops, amx):
+        ops.paged_attention_decode(
+            out, q, k_cache, v_cache, meta.block_table, meta.seq_lens, scale, window, softcap
+        )
+    assert not out.isnan().any(), "unwritten output, or a read behind the window"
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    elif not amx:  # float32 inside, one rounding of the output
+        torch.testing.assert_close(out.double(), want, rtol=ULP[torch.bfloat16], atol=1e-3)
+    else:  # AMX rounds the numerators to bf16 (flash attention's rounding): a few ulps
+        torch.testing.assert_close(out.double(), want, rtol=ULP[torch.bfloat16], atol=8e-3)
+        err = (out.double() - want).abs().mean()
+        assert err < 4e-3 * want.abs().mean(), "beyond bf16 rounding on average"
+
+
+# (block_size, num_heads, num_kv_heads, head_dim, query_lens, seq_lens, window, softcap)
+PREFILL_WINDOW_CASES = [
+    (16, 4, 1, 256, [512, 100, 37], [2048, 700, 37], 512, 0.0),  # Gemma 3 270M's shapes
+    (16, 8, 2, 64, [20, 9, 33, 1], [70, 60, 33, 5], 16, 0.0),  # W = block, a whole prompt
+    (32, 10, 2, 128, [31, 20, 2], [31, 95, 80], 24, 20.0),  # block 32, window and softcap
+    (16, 9, 3, 64, [17, 48], [17, 300], 0, 30.0),  # softcap alone
+    (16, 4, 4, 64, [20, 5], [20, 47], 1, 0.0),  # W = 1
+    (16, 4, 1, 256, [70, 1], [333, 90], 45, 50.0),  # W mid-block, head_dim 256
+]
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "case", PREFILL_WINDOW_CASES, ids=lambda c: _window_decode_id(c[:4] + c[5:])
+)
+def test_paged_prefill_window_softcap_matches_definition(ops, case):
+    q, k_cache, v_cache, meta, scale, window, softcap, want, skipped = window_inputs(
+        case, seed=3, dtype=torch.bfloat16
+    )
+    assert window == 0 or any(skipped)
+    out = torch.full_like(q, float("nan"))
+    q_lens = torch.tensor(meta.query_lens_cpu, dtype=torch.int32)
+    with num_threads(THREADS):
+        ops.paged_attention_prefill(
+            out, q, k_cache, v_cache, meta.block_table, meta.query_start_loc[:-1].contiguous(),
+            q_lens, meta.seq_lens, scale, window, softcap,
+        )
+    assert not out.isnan().any(), "unwritten output, or a read behind the window"
+    torch.testing.assert_close(out.double(), want, rtol=ULP[torch.bfloat16], atol=8e-3)
+    assert (out.double() - want).abs().mean() < 4e-3 * want.abs().mean(), "beyond bf16 rounding"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_backend_runs_windowed_soft_capped_layers_on_the_kernels(ops, dtype):
+    """Mixed batches with a window and a cap: decodes go to the decode kernel, bf16 prefills to
+    the prefill kernel where AMX is (float32 prefills to the reference), never the cascade."""
+    case = (16, 4, 1, 256, [1, 40, 1, 200, 1], [700, 300, 90, 200, 513], 128, 50.0)
+    q, k_cache, v_cache, meta, scale, window, softcap, want, _ = window_inputs(case, dtype=dtype)
+    meta.decode_shared_blocks = 2  # a shared prefix would take the cascade without the window
+    calls = []
+    backend = CpuAttentionBackend(_spy(ops, calls))
+    got = backend.forward(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+    prefill_calls = 1 if dtype == torch.bfloat16 and _amx_available() else 0
+    assert calls.count("paged_attention_decode") == 1
+    assert calls.count("paged_attention_prefill") == prefill_calls
+    assert calls.count("paged_attention_cascade") == 0
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=8e-3)
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
+@needs_amx
+def test_head_dim_256_prefill_takes_the_kernel_only_while_its_keys_are_few(ops):
+    """Gemma's head_dim 256: windowed layers and short contexts on the AMX prefill kernel, long
+    full-attention contexts on SDPA (faster there: cpu_backend.PREFILL_D256_MAX_KEYS)."""
+    long = PREFILL_D256_MAX_KEYS + 100
+    for window, ctx, kernel in ((512, long, True), (0, long, False), (0, 300, True)):
+        case = (16, 4, 1, 256, [64, 1], [ctx, 90], window, 0.0)
+        q, k_cache, v_cache, meta, scale, _, _, want, _ = window_inputs(case, dtype=torch.bfloat16)
+        calls = []
+        got = CpuAttentionBackend(_spy(ops, calls)).forward(
+            q, k_cache, v_cache, meta, scale, window=window
+        )
+        assert calls.count("paged_attention_prefill") == int(kernel), (window, ctx)
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=8e-3)
+
+
+def test_fused_decode_declines_windowed_and_soft_capped_stacks(ops):
+    from kernels.backend import DecoderStack
+
+    w = torch.zeros(1, dtype=torch.bfloat16)
+    stack = DecoderStack([w] * 6, w, 1e-6, 4, 1, 256, 0.0625, torch.bfloat16)
+    backend = CpuAttentionBackend(ops)
+    assert backend.fused_decode(stack) is not None
+    for extra in (dict(window=512), dict(softcap=50.0)):
+        assert backend.fused_decode(DecoderStack(**{**vars(stack), **extra})) is None, extra

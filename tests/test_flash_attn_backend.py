@@ -130,3 +130,46 @@ def test_flash_attn_dtype_rule_on_cuda(fake_fa):
     assert get_attention_backend("flash_attn", "cuda", 256, torch.bfloat16).name == "flash_attn"
     assert get_attention_backend("auto", "cuda", 256, torch.bfloat16).name == "flash_attn"
     assert get_attention_backend("auto", "cuda", 16, torch.float32).name == "triton"
+
+
+# ---- sliding windows and soft-capping: window_size=(W - 1, 0), softcap=c -------------------------
+# (query_lens, seq_lens, window, softcap) over blocks of 256 (flash-attn 2's paged-KV rule)
+FA_WINDOW_CASES = [
+    ([1, 1, 1, 1], [600, 256, 257, 1000], 300, 0.0),  # decode: W mid-page, W > one context
+    ([7, 100, 1], [7, 700, 530], 256, 50.0),  # a prompt, a chunk, a decode in one varlen call
+    ([1, 40], [900, 300], 0, 30.0),  # softcap alone
+    ([300, 1], [800, 513], 1, 0.0),  # W = 1
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "case", FA_WINDOW_CASES, ids=lambda c: f"q{c[0]}-kv{c[1]}-w{c[2]}-c{c[3]:g}"
+)
+def test_window_softcap_reach_flash_attn_and_match_the_definition(fake_fa, case, dtype):
+    from window_attention import window_inputs
+
+    query_lens, seq_lens, window, softcap = case
+    full = (256, 4, 2, 64, query_lens, seq_lens, window, softcap)
+    q, k_cache, v_cache, meta, scale, _, _, want, skipped = window_inputs(full, dtype=dtype)
+    assert window == 0 or window == 1 or any(skipped)
+    backend = get_attention_backend("flash_attn", "cpu", block_size=256)
+    assert backend.supports_sliding_window and backend.supports_softcap
+    got = backend.forward(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+    want_call = "flash_attn_with_kvcache" if meta.is_decode_only else "flash_attn_varlen_func"
+    assert fake_fa.calls == [want_call]
+    assert not got.isnan().any(), "a page behind the window was read"
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=8e-3)
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
+def test_fake_window_size_is_flash_attn_s():
+    """The stand-in itself: window_size=(1, 0) lets each of 2 queries over 5 keys see 2 keys."""
+    k_cache, v_cache = torch.zeros(1, 256, 1, 4), torch.zeros(1, 256, 1, 4)
+    v_cache[0, :5, 0, 0] = torch.arange(5.0)  # value = key position, so out = mean position
+    out = fake_flash_attn.flash_attn_with_kvcache(
+        torch.zeros(1, 2, 1, 4), k_cache, v_cache,
+        cache_seqlens=torch.tensor([5], dtype=torch.int32),
+        block_table=torch.zeros(1, 1, dtype=torch.int32), causal=True, window_size=(1, 0),
+    )
+    assert out[0, :, 0, 0].tolist() == [2.5, 3.5]

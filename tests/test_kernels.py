@@ -15,6 +15,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from window_attention import POISON_BLOCKS, WINDOW_CASES, case_id, window_inputs  # noqa: E402
+
 from kernels import default_block_size, get_attention_backend, resolve_backend_name  # noqa: E402
 from kernels.backend import AttentionMetadata  # noqa: E402
 from kernels.reference import paged_attention, paged_decode_attention  # noqa: E402
@@ -298,109 +300,21 @@ def test_cuda_graph_decode_matches_eager_gpu(tiny_model_dir):
 
 
 # ---- sliding windows and logit soft-capping ------------------------------------------------------
-# (block_size, num_heads, num_kv_heads, head_dim, query_lens, seq_lens, window, softcap): decodes,
-# chunked prefill (q_len < kv_len) and whole prompts, windows shorter than, equal to and longer
-# than the context, windows that start mid-block and on a block boundary.
-WINDOW_CASES = [
-    (16, 4, 1, 64, [1, 1, 1, 1], [40, 8, 16, 17], 8, 0.0),  # decode, W 8 < / = / > context
-    (16, 8, 2, 64, [1, 9, 40, 1], [70, 30, 40, 33], 16, 0.0),  # W = block size, a whole prompt
-    (8, 6, 2, 32, [5, 1, 12, 3], [29, 64, 12, 7], 13, 0.0),  # W mid-block, W > some contexts
-    (16, 4, 4, 64, [1, 7, 20, 1], [50, 20, 20, 3], 0, 30.0),  # softcap alone
-    (16, 8, 2, 64, [1, 6, 33, 1, 2], [100, 45, 33, 9, 64], 24, 20.0),  # window and softcap
-    (16, 4, 1, 256, [1, 17, 1], [300, 64, 128], 32, 50.0),  # Gemma's head_dim 256, MQA
-    (16, 4, 2, 64, [1, 3], [1, 3], 1, 0.0),  # W = 1: each query sees only itself
-]
-POISON_BLOCKS = 2  # the placeholder ids a KV manager puts behind the window: NaN and inf
-
-
-def _case_id(c) -> str:
-    return f"bs{c[0]}-h{c[1]}/{c[2]}-d{c[3]}-q{c[4]}-kv{c[5]}-w{c[6]}-c{c[7]:g}"
-
-
-def make_window_batch(block_size, num_kv_heads, head_dim, query_lens, seq_lens, window, seed=0):
-    """Dense K/V per sequence, scattered into shuffled blocks; the table entries of blocks wholly
-    before a sequence's first visible key point at placeholder blocks full of NaN and inf (and
-    tails past each length are NaN), so reading them surfaces in the output."""
-    gen = torch.Generator().manual_seed(seed)
-    dense = [
-        (torch.randn(n, num_kv_heads, head_dim, generator=gen),
-         torch.randn(n, num_kv_heads, head_dim, generator=gen))
-        for n in seq_lens
-    ]
-    num_blocks = [-(n // -block_size) for n in seq_lens]
-    skipped = [
-        min(nb, max(0, kv - q - window + 1) // block_size) if window > 0 else 0
-        for nb, q, kv in zip(num_blocks, query_lens, seq_lens)
-    ]
-    total = POISON_BLOCKS + sum(nb - s for nb, s in zip(num_blocks, skipped))
-    shape = (total, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
-    k_cache[1], v_cache[1] = float("inf"), float("-inf")
-    perm = (torch.randperm(total - POISON_BLOCKS, generator=gen) + POISON_BLOCKS).tolist()
-    block_table = torch.zeros(len(seq_lens), max(num_blocks), dtype=torch.int32)
-    for i, (k, v) in enumerate(dense):
-        for b in range(num_blocks[i]):
-            if b < skipped[i]:
-                block_table[i, b] = b % POISON_BLOCKS  # freed: a placeholder id
-                continue
-            block_table[i, b] = phys = perm.pop()
-            rows = slice(b * block_size, min((b + 1) * block_size, seq_lens[i]))
-            n = rows.stop - rows.start
-            k_cache[phys, :n], v_cache[phys, :n] = k[rows], v[rows]
-    return dense, k_cache, v_cache, block_table, skipped
-
-
-def dense_windowed_attention(q, k, v, q_pos, scale, window, softcap):
-    """The definition, head by head in float64: q [Lq, H, D] at absolute positions q_pos, k/v
-    [Lk, Hkv, D] with key j at position j; query i sees i - window < j <= i (all j <= i at 0)."""
-    group = q.shape[1] // k.shape[1]
-    j = torch.arange(k.shape[0])[None, :]
-    allowed = j <= q_pos[:, None]
-    if window > 0:
-        allowed &= j > q_pos[:, None] - window
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for h in range(q.shape[1]):
-        s = (q[:, h].double() @ k[:, h // group].double().T) * scale
-        if softcap > 0:
-            s = softcap * torch.tanh(s / softcap)
-        p = s.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-        out[:, h] = p @ v[:, h // group].double()
-    return out
-
-
-def _window_inputs(case, seed=0):
-    block_size, num_heads, num_kv_heads, head_dim, query_lens, seq_lens, window, softcap = case
-    dense, k_cache, v_cache, block_table, skipped = make_window_batch(
-        block_size, num_kv_heads, head_dim, query_lens, seq_lens, window, seed
-    )
-    gen = torch.Generator().manual_seed(9)
-    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
-    meta = ragged_meta(block_table, query_lens, seq_lens)
-    scale = head_dim**-0.5
-    want, start = [], 0
-    for (k, v), q_len, kv_len in zip(dense, query_lens, seq_lens):
-        q_pos = torch.arange(kv_len - q_len, kv_len)
-        rows = q[start : start + q_len]
-        want.append(dense_windowed_attention(rows, k, v, q_pos, scale, window, softcap))
-        start += q_len
-    return q, k_cache, v_cache, meta, scale, window, softcap, torch.cat(want), skipped
-
-
-@pytest.mark.parametrize("case", WINDOW_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=case_id)
 def test_reference_window_softcap_matches_dense_definition(case):
-    q, k_cache, v_cache, meta, scale, window, softcap, want, skipped = _window_inputs(case)
+    q, k_cache, v_cache, meta, scale, window, softcap, want, skipped = window_inputs(case)
     assert any(skipped) or window == 0 or max(meta.seq_lens_cpu) <= window + case[0]
     got = paged_attention(q, k_cache, v_cache, meta, scale, window, softcap)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", WINDOW_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=case_id)
 def test_reference_backend_window_softcap_matches_dense_definition(case, dtype):
     """TorchAttentionBackend.forward: batched decodes, grouped prefills, one-off chunks."""
     from kernels.reference import TorchAttentionBackend
 
-    q, k_cache, v_cache, meta, scale, window, softcap, want, _ = _window_inputs(case)
+    q, k_cache, v_cache, meta, scale, window, softcap, want, _ = window_inputs(case)
     # The batched decode gathers whole blocks under a mask; tails past a length hold stale,
     # finite KV in a real cache (the placeholders behind the window stay NaN and inf).
     k_cache[POISON_BLOCKS:] = k_cache[POISON_BLOCKS:].nan_to_num(0.0)
@@ -417,9 +331,65 @@ def test_reference_batched_decode_window_groups_of_equal_prefills():
     case = (8, 4, 2, 64, query_lens, seq_lens, 10, 0.0)
     from kernels.reference import TorchAttentionBackend
 
-    q, k_cache, v_cache, meta, scale, window, softcap, want, skipped = _window_inputs(case)
+    q, k_cache, v_cache, meta, scale, window, softcap, want, skipped = window_inputs(case)
     assert skipped == [3, 7, 3, 0, 2, 4]
     k_cache[POISON_BLOCKS:] = k_cache[POISON_BLOCKS:].nan_to_num(0.0)
     v_cache[POISON_BLOCKS:] = v_cache[POISON_BLOCKS:].nan_to_num(0.0)
     got = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, scale, window=window)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+# The Triton decode kernel with windows and caps: one new token per sequence, the blocks behind
+# each window NaN/inf placeholders and the slots past each length NaN (never read).
+# (block_size, num_heads, num_kv_heads, head_dim, seq_lens, window, softcap)
+TRITON_WINDOW_CASES = [
+    (16, 4, 1, 256, [300, 40, 17], 32, 50.0),  # Gemma's shapes, W mid-block
+    (16, 8, 2, 64, [40, 8, 16, 17, 100], 16, 0.0),  # W = block size, W > some contexts
+    (8, 9, 3, 64, [29, 64, 7], 13, 20.0),  # GQA 3, blocks of 8
+    (32, 4, 4, 64, [50, 3, 90], 0, 30.0),  # softcap alone
+    (16, 4, 2, 64, [1, 2, 33], 1, 0.0),  # W = 1
+]
+
+
+def _triton_window_check(case, device, dtype, tol):
+    block_size, heads, kv_heads, head_dim, seq_lens, window, softcap = case
+    full = (block_size, heads, kv_heads, head_dim, [1] * len(seq_lens), seq_lens, window, softcap)
+    q, k_cache, v_cache, meta, scale, _, _, want, skipped = window_inputs(full, dtype=dtype)
+    assert window == 0 or any(skipped)
+    on = dict(device=device)
+    q, k_cache, v_cache = q.to(**on), k_cache.to(**on), v_cache.to(**on)
+    out = torch.full_like(q, float("nan"))
+    triton_attention.paged_decode_attention(
+        q, k_cache, v_cache, meta.block_table.to(**on), meta.seq_lens.to(**on), scale, out=out,
+        window=window, softcap=softcap,
+    )
+    assert not out.isnan().any(), "unwritten output, or a read behind the window"
+    assert _rel_err(out.cpu(), want) < tol
+
+
+@pytest.mark.parametrize(
+    "case", TRITON_WINDOW_CASES, ids=lambda c: f"bs{c[0]}-h{c[1]}/{c[2]}-d{c[3]}-w{c[5]}-c{c[6]:g}"
+)
+def test_triton_decode_window_softcap_matches_dense_definition(case):
+    _triton_window_check(case, DEVICE, torch.float32, 1e-5)
+
+
+def test_triton_backend_window_softcap_decode_and_mixed_batches():
+    """Decode-only batches take the kernel with the window and cap; mixed batches the torch
+    path with them (both against the definition)."""
+    backend = get_attention_backend("triton", DEVICE)
+    assert backend.supports_sliding_window and backend.supports_softcap
+    for case in (WINDOW_CASES[0], WINDOW_CASES[4]):  # decodes only; a mixed batch
+        q, k_cache, v_cache, meta, scale, window, softcap, want, _ = window_inputs(case)
+        k_cache[POISON_BLOCKS:] = k_cache[POISON_BLOCKS:].nan_to_num(0.0)
+        v_cache[POISON_BLOCKS:] = v_cache[POISON_BLOCKS:].nan_to_num(0.0)
+        got = backend.forward(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+        assert _rel_err(got, want) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", TRITON_WINDOW_CASES, ids=lambda c: f"d{c[3]}-w{c[5]}-c{c[6]:g}")
+def test_triton_decode_window_softcap_gpu(case, dtype):
+    _triton_window_check(case, "cuda", dtype, 1e-4 if dtype == torch.float32 else 1e-2)

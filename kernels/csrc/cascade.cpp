@@ -106,8 +106,8 @@ void cascade_prefix_pass(
   WorkQueue(a.kv_heads * chunks).run([&](WorkQueue& queue) {
     amx_configure_square();
     PrefillScratch scratch;
-    alignas(64) c10::BFloat16 qbuf[16 * 128];
-    alignas(64) float obuf[16 * 128];
+    alignas(64) c10::BFloat16 qbuf[16 * 256];  // head_dim <= 256 (prefill_amx_applies)
+    alignas(64) float obuf[16 * 256];
     float lse[16];
     int64_t seq[16], head[16];  // query n of the task: (sequence, query head)
     int64_t begin, end;

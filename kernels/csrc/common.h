@@ -68,6 +68,12 @@ PAGEDSERVE_INLINE int64_t cache_slot(const int32_t* blocks, int64_t t, int64_t b
   return static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
 }
 
+// The first key position a query at q_pos sees under a window of `window` keys (0: no window):
+// keys q_pos - window < j <= q_pos. Blocks wholly before it may be freed, so are never read.
+PAGEDSERVE_INLINE int64_t window_start(int64_t q_pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, q_pos - window + 1) : 0;
+}
+
 }  // namespace pagedserve_cpu
 
 #if defined(__AVX512F__)
@@ -121,6 +127,14 @@ PAGEDSERVE_INLINE __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// a * tanh(b * x) on 16 lanes as a - 2a / (e^(2bx) + 1); exp16 clamps its argument, so large
+// |x| gives +-a exactly. Soft-capping: a = cap, b = 1 / cap on scaled scores.
+PAGEDSERVE_INLINE __m512 tanh_scaled16(__m512 x, __m512 a, __m512 b2) {
+  const __m512 e = exp16(_mm512_mul_ps(x, b2));
+  const __m512 den = _mm512_add_ps(e, _mm512_set1_ps(1.0f));
+  return _mm512_sub_ps(a, _mm512_div_ps(_mm512_add_ps(a, a), den));
+}
+
 }  // namespace pagedserve_cpu
 #else
 namespace pagedserve_cpu {
@@ -128,6 +142,22 @@ template <typename T>
 constexpr bool kVec = false;
 }  // namespace pagedserve_cpu
 #endif
+
+namespace pagedserve_cpu {
+
+// Logit soft-capping in place, x = a * tanh(b * x) for n scores (a = cap, b = 1 / cap on scaled
+// scores; a = cap / scale, b = scale / cap on raw q.k where the kernel scales later).
+inline void cap_scores(float* x, int64_t n, float a, float b) {
+  int64_t i = 0;
+#ifdef PAGEDSERVE_AVX512
+  const __m512 va = _mm512_set1_ps(a), vb2 = _mm512_set1_ps(2.0f * b);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(x + i, tanh_scaled16(_mm512_loadu_ps(x + i), va, vb2));
+#endif
+  for (; i < n; ++i) x[i] = a * std::tanh(b * x[i]);
+}
+
+}  // namespace pagedserve_cpu
 
 // ---- AMX basics (tile config, per-process permission) ------------------------------------
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)

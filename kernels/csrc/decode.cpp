@@ -1,9 +1,11 @@
-// paged_attention_decode: one query token per sequence over its paged K/V, GQA-aware.
+// paged_attention_decode: one query token per sequence over its paged K/V, GQA-aware, with an
+// optional sliding window (keys [start, len), start = window_start(len - 1, window): the blocks
+// before start's are never read) and logit soft-capping (scores = cap * tanh(scores / cap)).
 // Three bodies, picked per call (decode_batch):
 //   AMX (bf16, head_dim % 64 == 0, block_size % 16 == 0): decode_heads_amx, also the cascade's
 //     suffix pass (decode.h);
-//   AVX-512 with head_dim 64 or 128 in registers: decode_seq_vec (all heads of a sequence per
-//     task) or decode_one_vec (one KV head per task);
+//   AVX-512 with head_dim 64, 128 or 256 in registers: decode_seq_vec (all heads of a sequence
+//     per task) or decode_one_vec (one KV head per task);
 //   portable: decode_one.
 #include "decode.h"
 
@@ -13,16 +15,18 @@
 namespace pagedserve_cpu {
 namespace {
 
-// One (sequence, KV head) pair: the G query heads of that group against the sequence's
-// blocks. Two passes: scores for every key, then a softmax-weighted sum of the values.
+// One (sequence, KV head) pair: the G query heads of that group against the sequence's keys
+// [start, len). Two passes: scores for every key, then a softmax-weighted sum of the values.
 template <typename T>
 void decode_one(
     T* out, int64_t out_head_stride, const T* q, int64_t q_head_stride, const T* k_cache,
-    const T* v_cache, const int32_t* blocks, int64_t len, int64_t block_size, int64_t kv_heads,
-    int64_t kv_head, int64_t group, int64_t d, float scale, std::vector<float>& buf) {
-  buf.resize(group * (len + 2 * d));
-  float* scores = buf.data();             // [G, len]
-  float* qf = scores + group * len;       // [G, D]
+    const T* v_cache, const int32_t* blocks, int64_t start, int64_t len, int64_t block_size,
+    int64_t kv_heads, int64_t kv_head, int64_t group, int64_t d, float scale, float cap,
+    std::vector<float>& buf) {
+  const int64_t n = len - start;
+  buf.resize(group * (n + 2 * d));
+  float* scores = buf.data();             // [G, n]
+  float* qf = scores + group * n;         // [G, D]
   float* acc = qf + group * d;            // [G, D]
   for (int64_t g = 0; g < group; ++g) {
     const T* qg = q + g * q_head_stride;
@@ -30,7 +34,7 @@ void decode_one(
     for (int64_t i = 0; i < d; ++i) qf[g * d + i] = to_f(qg[i]) * scale;
   }
   const int64_t token_stride = kv_heads * d;
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = start; t < len; ++t) {
     const int64_t slot = cache_slot(blocks, t, block_size);
     const T* kr = k_cache + slot * token_stride + kv_head * d;
     for (int64_t g = 0; g < group; ++g) {
@@ -38,30 +42,31 @@ void decode_one(
       float s = 0.0f;
 #pragma omp simd reduction(+ : s)
       for (int64_t i = 0; i < d; ++i) s += qg[i] * to_f(kr[i]);
-      scores[g * len + t] = s;
+      scores[g * n + t - start] = s;
     }
   }
+  if (cap > 0) cap_scores(scores, group * n, cap, 1.0f / cap);
   for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * len;
+    float* sg = scores + g * n;
     float m = -INFINITY;
-    for (int64_t t = 0; t < len; ++t) m = std::fmax(m, sg[t]);
+    for (int64_t t = 0; t < n; ++t) m = std::fmax(m, sg[t]);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = 0; t < n; ++t) {
       float e = exp_approx(sg[t] - m);
       sg[t] = e;
       sum += e;
     }
     const float inv = 1.0f / sum;
 #pragma omp simd
-    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+    for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
   }
   std::fill(acc, acc + group * d, 0.0f);
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = start; t < len; ++t) {
     const int64_t slot = cache_slot(blocks, t, block_size);
     const T* vr = v_cache + slot * token_stride + kv_head * d;
     for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * len + t];
+      const float p = scores[g * n + t - start];
       float* ag = acc + g * d;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) ag[i] += p * to_f(vr[i]);
@@ -99,24 +104,28 @@ inline void softmax_inplace(float* s, int64_t n) {
 }
 
 // decode_one with head_dim = 16 * NC held in registers: per key one multiply-add chain and
-// one horizontal sum per query head; per value one multiply-add per head and chunk.
+// one horizontal sum per query head; per value one multiply-add per head and chunk. HG query
+// heads at a time: four for head_dim 64/128, one for 256 (its q alone fills half the registers).
 template <typename T, int NC>
 void decode_one_vec(
     T* out, int64_t out_head_stride, const T* q, int64_t q_head_stride, const T* k_cache,
-    const T* v_cache, const int32_t* blocks, int64_t len, int64_t block_size, int64_t kv_heads,
-    int64_t kv_head, int64_t group, float scale, std::vector<float>& buf) {
+    const T* v_cache, const int32_t* blocks, int64_t start, int64_t len, int64_t block_size,
+    int64_t kv_heads, int64_t kv_head, int64_t group, float scale, float cap,
+    std::vector<float>& buf) {
   constexpr int64_t d = 16 * NC;
-  buf.resize(group * len + 16);
-  float* scores = buf.data();  // [G, len]
+  constexpr int64_t HG = NC >= 16 ? 1 : 4;
+  const int64_t n = len - start;
+  buf.resize(group * n + 16);
+  float* scores = buf.data();  // [G, n]
   const int64_t token_stride = kv_heads * d;
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t g0 = 0; g0 < group; g0 += 4) {  // four query heads at a time stay in registers
-    const int64_t ng = std::min<int64_t>(4, group - g0);
-    __m512 qv[4][NC];
+  for (int64_t g0 = 0; g0 < group; g0 += HG) {  // HG query heads at a time stay in registers
+    const int64_t ng = std::min<int64_t>(HG, group - g0);
+    __m512 qv[HG][NC];
     for (int64_t g = 0; g < ng; ++g)
       for (int c = 0; c < NC; ++c)
         qv[g][c] = _mm512_mul_ps(load16(q + (g0 + g) * q_head_stride + 16 * c), vscale);
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = start; t < len; ++t) {
       const int64_t slot = cache_slot(blocks, t, block_size);
       const T* kr = k_cache + slot * token_stride + kv_head * d;
       __m512 kv[NC];
@@ -124,23 +133,24 @@ void decode_one_vec(
       for (int64_t g = 0; g < ng; ++g) {
         __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
         for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-        scores[(g0 + g) * len + t] = _mm512_reduce_add_ps(acc);
+        scores[(g0 + g) * n + t - start] = _mm512_reduce_add_ps(acc);
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) softmax_inplace(scores + g * len, len);
-  for (int64_t g0 = 0; g0 < group; g0 += 4) {
-    const int64_t ng = std::min<int64_t>(4, group - g0);
-    __m512 acc[4][NC];
-    for (int64_t g = 0; g < 4; ++g)
+  if (cap > 0) cap_scores(scores, group * n, cap, 1.0f / cap);
+  for (int64_t g = 0; g < group; ++g) softmax_inplace(scores + g * n, n);
+  for (int64_t g0 = 0; g0 < group; g0 += HG) {
+    const int64_t ng = std::min<int64_t>(HG, group - g0);
+    __m512 acc[HG][NC];
+    for (int64_t g = 0; g < HG; ++g)
       for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = start; t < len; ++t) {
       const int64_t slot = cache_slot(blocks, t, block_size);
       const T* vr = v_cache + slot * token_stride + kv_head * d;
       __m512 vv[NC];
       for (int c = 0; c < NC; ++c) vv[c] = load16(vr + 16 * c);
       for (int64_t g = 0; g < ng; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * len + t]);
+        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * n + t - start]);
         for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
       }
     }
@@ -156,14 +166,14 @@ void decode_one_vec(
 template <typename T, int NC>
 void decode_seq_vec(
     T* out, int64_t out_head_stride, const T* q, int64_t q_head_stride, const T* k_cache,
-    const T* v_cache, const int32_t* blocks, int64_t len, int64_t block_size, int64_t kv_heads,
-    int64_t group, float scale, std::vector<float>& buf) {
+    const T* v_cache, const int32_t* blocks, int64_t start, int64_t len, int64_t block_size,
+    int64_t kv_heads, int64_t group, float scale, float cap, std::vector<float>& buf) {
   constexpr int64_t d = 16 * NC;
   constexpr int64_t kAhead = 4;
-  const int64_t heads = kv_heads * group, token_stride = kv_heads * d;
-  buf.resize(heads * (len + 2 * d) + 32);
-  float* scores = buf.data();         // [H, len]
-  float* qf = scores + heads * len;   // [H, D]
+  const int64_t heads = kv_heads * group, token_stride = kv_heads * d, n = len - start;
+  buf.resize(heads * (n + 2 * d) + 32);
+  float* scores = buf.data();         // [H, n]
+  float* qf = scores + heads * n;     // [H, D]
   float* acc = qf + heads * d;        // [H, D]
   for (int64_t h = 0; h < heads; ++h)
     for (int c = 0; c < NC; ++c)
@@ -179,7 +189,7 @@ void decode_seq_vec(
     for (int64_t b = 0; b < token_stride * static_cast<int64_t>(sizeof(T)); b += 64)
       _mm_prefetch(p + b, _MM_HINT_T0);
   };
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = start; t < len; ++t) {
     if (t + kAhead < len) prefetch_row(row_of(k_cache, t + kAhead));
     const T* kr = row_of(k_cache, t);
     for (int64_t h = 0; h < kv_heads; ++h) {
@@ -189,13 +199,14 @@ void decode_seq_vec(
         const float* qh = qf + (h * group + g) * d;
         __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
         for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), kv[c], a);
-        scores[(h * group + g) * len + t] = _mm512_reduce_add_ps(a);
+        scores[(h * group + g) * n + t - start] = _mm512_reduce_add_ps(a);
       }
     }
   }
-  for (int64_t h = 0; h < heads; ++h) softmax_inplace(scores + h * len, len);
+  if (cap > 0) cap_scores(scores, heads * n, cap, 1.0f / cap);
+  for (int64_t h = 0; h < heads; ++h) softmax_inplace(scores + h * n, n);
   std::fill(acc, acc + heads * d, 0.0f);
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = start; t < len; ++t) {
     if (t + kAhead < len) prefetch_row(row_of(v_cache, t + kAhead));
     const T* vr = row_of(v_cache, t);
     for (int64_t h = 0; h < kv_heads; ++h) {
@@ -203,7 +214,7 @@ void decode_seq_vec(
       for (int c = 0; c < NC; ++c) vv[c] = load16(vr + h * d + 16 * c);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t head = h * group + g;
-        const __m512 p = _mm512_set1_ps(scores[head * len + t]);
+        const __m512 p = _mm512_set1_ps(scores[head * n + t - start]);
         float* ah = acc + head * d;
         for (int c = 0; c < NC; ++c)
           _mm512_storeu_ps(ah + 16 * c, _mm512_fmadd_ps(p, vv[c], _mm512_loadu_ps(ah + 16 * c)));
@@ -326,18 +337,21 @@ PAGEDSERVE_INLINE void score_tiles(
 }
 
 // One query head's softmax numerators, rounded to bf16 (kept as float32), into pg [len_pad],
-// zero past the end; its column of the tiles' [token][G] layout (src, stride G) is gathered
-// and scaled into sg first. Returns the sum of the numerators and sets max_score.
+// zero before `lead` (< 16: keys left of a window) and past the end; its column of the tiles'
+// [token][G] layout (src, stride G) is gathered and scaled into sg first. Returns the sum of
+// the numerators and sets max_score.
 PAGEDSERVE_INLINE float head_numerators(
-    float* pg, float* sg, const float* src, int64_t len, int64_t len_pad, int64_t group,
-    float scale, float& max_score) {
+    float* pg, float* sg, const float* src, int64_t lead, int64_t len, int64_t len_pad,
+    int64_t group, float scale, float& max_score) {
+  const __mmask16 first_live = static_cast<__mmask16>(0xffffu << lead);
   const __m512i idx = _mm512_mullo_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi32(static_cast<int32_t>(group)));
   const __m512 vscale = _mm512_set1_ps(scale);
   __m512 vmax = _mm512_set1_ps(-INFINITY);
   for (int64_t t = 0; t < len; t += 16) {
-    const __mmask16 live = t + 16 <= len ? 0xffff : (1u << (len - t)) - 1;
+    __mmask16 live = t + 16 <= len ? 0xffff : (1u << (len - t)) - 1;
+    if (t == 0) live &= first_live;
     const __m512 v = _mm512_mul_ps(
         _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, src + t * group, 4), vscale);
     _mm512_storeu_ps(sg + t, v);
@@ -347,7 +361,8 @@ PAGEDSERVE_INLINE float head_numerators(
   const __m512 vm = _mm512_set1_ps(max_score);
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t t = 0; t < len_pad; t += 16) {
-    const __mmask16 live = t + 16 <= len ? 0xffff : t < len ? (1u << (len - t)) - 1 : 0;
+    __mmask16 live = t + 16 <= len ? 0xffff : t < len ? (1u << (len - t)) - 1 : 0;
+    if (t == 0) live &= first_live;
     __m512 e = _mm512_maskz_mov_ps(
         live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + t), vm)));
     e = round_bf16(e);
@@ -357,19 +372,24 @@ PAGEDSERVE_INLINE float head_numerators(
   return _mm512_reduce_add_ps(vsum);
 }
 
-// KV heads [h0, h1) of one sequence: q^T tiles, scores on AMX, softmax numerators, P x V.
+// KV heads [h0, h1) of one sequence over its keys [start, len): q^T tiles, scores on AMX,
+// soft-capping (cap > 0), softmax numerators, P x V. Tiles start at `start` rounded down to 16
+// (inside its block); the keys before start in that tile are masked.
 // lse, when given, receives log(sum exp(scaled scores)) per query head (indexed like the heads).
 template <typename O>
 void decode_heads_amx(
     O* out, int64_t out_head_stride, const c10::BFloat16* q, int64_t q_head_stride,
     const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int32_t* blocks,
-    int64_t len, int64_t block_size, int64_t kv_heads, int64_t h0, int64_t h1, int64_t group,
-    int64_t d, float scale, DecodeAmxScratch& s, float* lse = nullptr) {
+    int64_t start, int64_t len_abs, int64_t block_size, int64_t kv_heads, int64_t h0, int64_t h1,
+    int64_t group, int64_t d, float scale, float cap, DecodeAmxScratch& s,
+    float* lse = nullptr) {
+  const int64_t base = start / 16 * 16, lead = start - base, len = len_abs - base;
   const int64_t token_stride = kv_heads * d, len_pad = (len + 31) / 32 * 32;
   const int64_t kchunks = d / 32, nh = h1 - h0;
-  // The 16 rows starting at token t0 (a multiple of 16) lie in one block: heads h0..h1-1.
+  // The 16 rows starting at token base + t0 (t0 a multiple of 16) lie in one block: heads
+  // h0..h1-1.
   auto rows_at = [&](const c10::BFloat16* cache, int64_t t0) {
-    return cache + cache_slot(blocks, t0, block_size) * token_stride + h0 * d;
+    return cache + cache_slot(blocks, base + t0, block_size) * token_stride + h0 * d;
   };
   auto prefetch_rows = [&](const c10::BFloat16* rows, auto hint) {  // 16 rows x these heads
     const char* p = reinterpret_cast<const char*>(rows);
@@ -381,6 +401,7 @@ void decode_heads_amx(
   s.st.resize(nh * len_pad * group);
   score_tiles(s.st.data(), s.qt.data(), k_cache, rows_at, prefetch_rows, len, len_pad, nh,
               kchunks, group, d, token_stride);
+  if (cap > 0) cap_scores(s.st.data(), nh * len_pad * group, cap / scale, scale / cap);
   // [head][G][len_pad] numerators; 1 / sum goes on the output.
   s.scores.resize(len_pad);
   s.probs.resize(nh * group * len_pad);
@@ -391,7 +412,7 @@ void decode_heads_amx(
       float max_score;
       const float sum = head_numerators(
           s.probs.data() + (h * group + g) * len_pad, s.scores.data(),
-          s.st.data() + h * len_pad * group + g, len, len_pad, group, scale, max_score);
+          s.st.data() + h * len_pad * group + g, lead, len, len_pad, group, scale, max_score);
       inv_sum[h * group + g] = 1.0f / sum;
       if (lse) lse[(h0 + h) * group + g] = max_score + std::log(sum);
     }
@@ -417,28 +438,32 @@ void decode_heads_amx(
 std::atomic<bool> amx_decode_enabled{true};
 #endif
 
-// Picks the register-resident kernel for head_dim 64/128 on AVX-512, else the portable one.
+// Picks the register-resident kernel for head_dim 64/128/256 on AVX-512, else the portable one.
 template <typename T>
 void decode_dispatch(
     T* out, int64_t out_head_stride, const T* q, int64_t q_head_stride, const T* k_cache,
-    const T* v_cache, const int32_t* blocks, int64_t len, int64_t block_size, int64_t kv_heads,
-    int64_t kv_head, int64_t group, int64_t d, float scale, std::vector<float>& buf) {
+    const T* v_cache, const int32_t* blocks, int64_t start, int64_t len, int64_t block_size,
+    int64_t kv_heads, int64_t kv_head, int64_t group, int64_t d, float scale, float cap,
+    std::vector<float>& buf) {
 #ifdef PAGEDSERVE_AVX512
   if constexpr (kVec<T>) {
-    if (d == 64)
-      return decode_one_vec<T, 4>(
-          out, out_head_stride, q, q_head_stride, k_cache, v_cache, blocks, len, block_size,
-          kv_heads, kv_head, group, scale, buf);
-    if (d == 128)
-      return decode_one_vec<T, 8>(
-          out, out_head_stride, q, q_head_stride, k_cache, v_cache, blocks, len, block_size,
-          kv_heads, kv_head, group, scale, buf);
+    auto run = d == 64 ? decode_one_vec<T, 4>
+        : d == 128     ? decode_one_vec<T, 8>
+        : d == 256     ? decode_one_vec<T, 16>
+                       : nullptr;
+    if (run)
+      return run(
+          out, out_head_stride, q, q_head_stride, k_cache, v_cache, blocks, start, len,
+          block_size, kv_heads, kv_head, group, scale, cap, buf);
   }
 #endif
   decode_one(
-      out, out_head_stride, q, q_head_stride, k_cache, v_cache, blocks, len, block_size,
-      kv_heads, kv_head, group, d, scale, buf);
+      out, out_head_stride, q, q_head_stride, k_cache, v_cache, blocks, start, len, block_size,
+      kv_heads, kv_head, group, d, scale, cap, buf);
 }
+
+// Whether decode_seq_vec covers head_dim d.
+constexpr bool seq_vec_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
 // One task per sequence (all heads) when there are enough sequences to keep every thread
 // busy, else one per (sequence, KV head).
@@ -447,7 +472,9 @@ void decode_batch(
     T* out, int64_t out_stride, int64_t out_head_stride, const T* q, int64_t q_stride,
     int64_t q_head_stride, const T* k_cache, const T* v_cache, const int32_t* block_table,
     int64_t bt_stride, const int32_t* lens, int64_t batch, int64_t block_size, int64_t kv_heads,
-    int64_t group, int64_t d, float scale) {
+    int64_t group, int64_t d, float scale, int64_t window, float cap) {
+  // each sequence's query sits at len - 1; its window starts at window_start(len - 1, window)
+  auto start_of = [&](int64_t b) { return window_start(lens[b] - 1, window); };
 #ifdef PAGEDSERVE_AMX
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (decode_amx_applies(d, block_size, group)) {
@@ -464,8 +491,8 @@ void decode_batch(
             const int64_t h0 = per_seq ? 0 : task % kv_heads, h1 = per_seq ? kv_heads : h0 + 1;
             decode_heads_amx(
                 out + b * out_stride, out_head_stride, q + b * q_stride, q_head_stride, k_cache,
-                v_cache, block_table + b * bt_stride, lens[b], block_size, kv_heads, h0, h1,
-                group, d, scale, scratch);
+                v_cache, block_table + b * bt_stride, start_of(b), lens[b], block_size, kv_heads,
+                h0, h1, group, d, scale, cap, scratch);
           }
         }
         _tile_release();
@@ -476,14 +503,16 @@ void decode_batch(
 #endif
 #ifdef PAGEDSERVE_AVX512
   if constexpr (kVec<T>) {
-    if ((d == 64 || d == 128) && batch >= 2 * at::get_num_threads()) {
+    if (seq_vec_dim(d) && batch >= 2 * at::get_num_threads()) {
       at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> buf;
         for (int64_t b = begin; b < end; ++b) {
-          auto run = d == 64 ? decode_seq_vec<T, 4> : decode_seq_vec<T, 8>;
+          auto run = d == 64 ? decode_seq_vec<T, 4>
+              : d == 128     ? decode_seq_vec<T, 8>
+                             : decode_seq_vec<T, 16>;
           run(out + b * out_stride, out_head_stride, q + b * q_stride, q_head_stride, k_cache,
-              v_cache, block_table + b * bt_stride, lens[b], block_size, kv_heads, group, scale,
-              buf);
+              v_cache, block_table + b * bt_stride, start_of(b), lens[b], block_size, kv_heads,
+              group, scale, cap, buf);
         }
       });
       return;
@@ -498,7 +527,8 @@ void decode_batch(
       decode_dispatch(
           out + b * out_stride + head0 * out_head_stride, out_head_stride,
           q + b * q_stride + head0 * q_head_stride, q_head_stride, k_cache, v_cache,
-          block_table + b * bt_stride, lens[b], block_size, kv_heads, h, group, d, scale, buf);
+          block_table + b * bt_stride, start_of(b), lens[b], block_size, kv_heads, h, group, d,
+          scale, cap, buf);
     }
   });
 }
@@ -516,15 +546,16 @@ void decode_heads_amx_f32(
     const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int32_t* blocks,
     int64_t len, int64_t block_size, int64_t kv_heads, int64_t h0, int64_t h1, int64_t group,
     int64_t d, float scale, DecodeAmxScratch& s, float* lse) {
-  decode_heads_amx(out, out_head_stride, q, q_head_stride, k_cache, v_cache, blocks, len,
-                   block_size, kv_heads, h0, h1, group, d, scale, s, lse);
+  decode_heads_amx(out, out_head_stride, q, q_head_stride, k_cache, v_cache, blocks, 0, len,
+                   block_size, kv_heads, h0, h1, group, d, scale, 0.0f, s, lse);
 }
 #endif
 
 void paged_attention_decode(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-    double scale) {
+    double scale, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query: [B, H, D], D contiguous");
   TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1, "out: [B, H, D], D contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -554,7 +585,7 @@ void paged_attention_decode(
         decode_batch(
             op, out.stride(0), out.stride(1), qp, query.stride(0), query.stride(1), kp, vp, bt,
             block_table.stride(0), lens, batch, block_size, kv_heads, group, d,
-            static_cast<float>(scale));
+            static_cast<float>(scale), window, static_cast<float>(softcap));
       });
 }
 

@@ -26,7 +26,7 @@ void write_kv(
 void paged_attention_decode(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-    double scale);
+    double scale, int64_t window = 0, double softcap = 0.0);
 bool set_amx_decode(bool enabled);
 
 // prefill.cpp
@@ -34,7 +34,8 @@ bool amx_prefill_supported(int64_t head_dim, int64_t block_size);
 void paged_attention_prefill(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& q_start,
-    const at::Tensor& q_len, const at::Tensor& seq_lens, double scale);
+    const at::Tensor& q_len, const at::Tensor& seq_lens, double scale, int64_t window = 0,
+    double softcap = 0.0);
 
 // cascade.cpp
 bool cascade_supported(int64_t head_dim, int64_t block_size, int64_t group);

@@ -1,8 +1,10 @@
 // paged_attention_prefill: sequences with any number of new tokens over their paged K/V,
-// bottom-right causal, on AMX (bf16, head_dim 64 or 128, block_size % 16 == 0).
+// bottom-right causal, on AMX (bf16, head_dim 64, 128 or 256, block_size % 16 == 0).
 // One task per (sequence, query head, 16 queries); query j of a sequence sits at position
-// kv_len - q_len + j and sees keys 0..that position. Two passes over the visible keys, so no
-// running rescale:
+// kv_len - q_len + j and sees keys 0..that position, or under a window W the last W of them
+// (the blocks before the sequence's first visible key are never read). Soft-capping replaces
+// the raw scores by cap / scale * tanh(scores * scale / cap) before the softmax. Two passes
+// over the visible keys, so no running rescale:
 //   scores^T [16 keys, 16 queries] = K rows (A tile straight from the cache) x q^T (B tile:
 //     row r holds (q[n][2r], q[n][2r+1]) for the 16 queries n), kept for all visible keys;
 //   per query (a lane): max over keys, numerators exp(s - max) rounded to bf16, their sum;
@@ -121,16 +123,21 @@ PAGEDSERVE_INLINE void score_tiles(
   }
 }
 
-// Per query (a lane): causal mask, max, bf16 numerators into pt as B-tile rows (zero for masked
-// and padded keys), their sum. vmax gets the max raw score (0 in unused lanes).
+// Per query (a lane): causal mask (and window: query n sees key t iff t <= pos0 + n and, with
+// window > 0, t > pos0 + n - window), max, bf16 numerators into pt as B-tile rows (zero for
+// masked and padded keys), their sum. vmax gets the max raw score (0 in unused lanes).
 PAGEDSERVE_INLINE void numerators(
     c10::BFloat16* pt, const float* st, int64_t visible, int64_t vis_pad, int64_t pos0,
-    __mmask16 valid_q, float scale, __m512& vmax, __m512& vsum) {
+    int64_t window, __mmask16 valid_q, float scale, __m512& vmax, __m512& vsum) {
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   auto live_lanes = [&](int64_t t) -> __mmask16 {  // queries that see key t
-    if (t <= pos0) return valid_q;
-    return valid_q &
-           _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int32_t>(t - pos0)));
+    __mmask16 live = valid_q;
+    if (t > pos0)
+      live &= _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int32_t>(t - pos0)));
+    if (window > 0 && t - pos0 + window < 16)  // lanes n >= t - pos0 + window: key t left
+      live &= _mm512_cmpgt_epi32_mask(
+          _mm512_set1_epi32(static_cast<int32_t>(t - pos0 + window)), lane);
+    return live;
   };
   // max of the raw scores (scale > 0 commutes with it); e = 2^(s * scale * log2 e - max'),
   // with a cubic for 2^fraction: plenty for numerators that are rounded to bf16 anyway.
@@ -222,28 +229,40 @@ PAGEDSERVE_INLINE void store_rows(
   }
 }
 
-// nq <= 16 queries at positions pos0..pos0 + nq - 1 of one query head: `visible` keys are read
-// (pos0 + nq for a causal block); lse, when given, receives log(sum exp(scaled scores)) per
-// query.
+// nq <= 16 queries at positions pos0..pos0 + nq - 1 of one query head: keys k0 (a multiple
+// of 32) to visible - 1 are read (visible = pos0 + nq for a causal block; k0 = 0 without a
+// window), and the window, if any, masked; cap > 0 soft-caps the scores. lse, when given,
+// receives log(sum exp(scaled scores)) per query.
 template <int D, typename O>
 void prefill_block_amx(
     O* out, int64_t out_stride, const c10::BFloat16* q, int64_t q_stride, int64_t nq,
-    int64_t pos0, int64_t visible, const c10::BFloat16* k_cache, const c10::BFloat16* vt,
-    int64_t vt_stride, const int32_t* blocks, int64_t block_size, int64_t token_stride,
-    int64_t kv_head, float scale, PrefillScratch& s, float* lse = nullptr) {
-  const int64_t vis_pad = (visible + 31) / 32 * 32;
+    int64_t pos0, int64_t k0, int64_t visible, int64_t window, float cap,
+    const c10::BFloat16* k_cache, const c10::BFloat16* vt, int64_t vt_stride,
+    const int32_t* blocks, int64_t block_size, int64_t token_stride, int64_t kv_head,
+    float scale, PrefillScratch& s, float* lse = nullptr) {
+  const int64_t nkeys = visible - k0, vis_pad = (nkeys + 31) / 32 * 32;
   pack_q_tiles<D>(s.qt, q, q_stride, nq);
   s.st.resize(vis_pad * 16);
   auto k_rows = [&](int64_t t0) {
-    return k_cache + cache_slot(blocks, t0, block_size) * token_stride + kv_head * D;
+    return k_cache + cache_slot(blocks, k0 + t0, block_size) * token_stride + kv_head * D;
   };
-  score_tiles<D>(s.st.data(), s.qt.data(), k_rows, visible, token_stride * 2);
+  score_tiles<D>(s.st.data(), s.qt.data(), k_rows, nkeys, token_stride * 2);
+  if (cap > 0) cap_scores(s.st.data(), (nkeys + 15) / 16 * 256, cap / scale, scale / cap);
   const __mmask16 valid_q = nq >= 16 ? 0xffff : static_cast<__mmask16>((1u << nq) - 1);
   __m512 vmax, vsum;
   s.pt.resize(vis_pad * 16);
-  numerators(s.pt.data(), s.st.data(), visible, vis_pad, pos0, valid_q, scale, vmax, vsum);
-  pv_tiles<D>(s.ot, s.pt.data(), vt, vt_stride, vis_pad);
+  numerators(s.pt.data(), s.st.data(), nkeys, vis_pad, pos0 - k0, window, valid_q, scale, vmax,
+             vsum);
+  pv_tiles<D>(s.ot, s.pt.data(), vt + k0, vt_stride, vis_pad);
   store_rows<D>(out, out_stride, s.ot, nq, valid_q, vmax, vsum, scale, lse);
+}
+
+// prefill_block_amx for head_dim d (64, 128 or 256).
+template <typename O>
+auto prefill_block_for(int64_t d) {
+  return d == 64 ? prefill_block_amx<64, O>
+      : d == 128 ? prefill_block_amx<128, O>
+                 : prefill_block_amx<256, O>;
 }
 
 // Shapes, dtypes and per-sequence ranges paged_attention_prefill relies on.
@@ -318,7 +337,7 @@ void build_vt(c10::BFloat16* dst, const c10::BFloat16* v_cache, const int32_t* b
 }
 
 bool prefill_amx_applies(int64_t d, int64_t block_size) {
-  return (d == 64 || d == 128) && block_size % 16 == 0 && amx_permitted();
+  return (d == 64 || d == 128 || d == 256) && block_size % 16 == 0 && amx_permitted();
 }
 
 void prefill_block_amx_f32(
@@ -326,9 +345,9 @@ void prefill_block_amx_f32(
     int64_t nq, int64_t pos0, int64_t visible, const c10::BFloat16* k_cache,
     const c10::BFloat16* vt, int64_t vt_stride, const int32_t* blocks, int64_t block_size,
     int64_t token_stride, int64_t kv_head, float scale, PrefillScratch& s, float* lse) {
-  auto run = d == 64 ? prefill_block_amx<64, float> : prefill_block_amx<128, float>;
-  run(out, out_stride, q, q_stride, nq, pos0, visible, k_cache, vt, vt_stride, blocks,
-      block_size, token_stride, kv_head, scale, s, lse);
+  prefill_block_for<float>(d)(out, out_stride, q, q_stride, nq, pos0, 0, visible, 0, 0.0f,
+                              k_cache, vt, vt_stride, blocks, block_size, token_stride, kv_head,
+                              scale, s, lse);
 }
 #endif
 
@@ -344,11 +363,14 @@ bool amx_prefill_supported(int64_t head_dim, int64_t block_size) {
 // Attention for sequences with any number of new tokens over their paged K/V, bottom-right
 // causal (see prefill_block_amx): sequence i's queries are rows q_start[i] .. q_start[i] +
 // q_len[i] of query, and its output goes to the same rows of out; other rows are untouched.
+// window > 0: each query sees its last `window` keys; softcap > 0: logit soft-capping.
 void paged_attention_prefill(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& q_start,
-    const at::Tensor& q_len, const at::Tensor& seq_lens, double scale) {
+    const at::Tensor& q_len, const at::Tensor& seq_lens, double scale, int64_t window,
+    double softcap) {
 #ifdef PAGEDSERVE_AMX
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   check_prefill_args(out, query, k_cache, v_cache, block_table, q_start, q_len, seq_lens);
   const int64_t batch = seq_lens.numel(), heads = query.size(1), d = query.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
@@ -362,10 +384,18 @@ void paged_attention_prefill(
   const auto* vp = v_cache.data_ptr<c10::BFloat16>();
   const int32_t* bt = block_table.data_ptr<int32_t>();
   const int64_t bt_stride = block_table.stride(0);
-  // V^T per (sequence, KV head): [D, len padded to 32], zero past the end.
+  const float cap = static_cast<float>(softcap);
+  // Each sequence from the block of its first visible key on (its earliest query's window):
+  // keys are counted from kb[b] = first_block[b] * block_size, the blocks before never read.
+  std::vector<int64_t> first_block(batch), kb(batch), klen(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    first_block[b] = window_start(lens[b] - ql[b], window) / block_size;
+    kb[b] = first_block[b] * block_size, klen[b] = lens[b] - kb[b];
+  }
+  // V^T per (sequence, KV head): [D, klen padded to 32], zero past the end.
   std::vector<int64_t> vt_off(batch + 1, 0);
   for (int64_t b = 0; b < batch; ++b)
-    vt_off[b + 1] = vt_off[b] + kv_heads * d * ((lens[b] + 31) / 32 * 32);
+    vt_off[b + 1] = vt_off[b] + kv_heads * d * ((klen[b] + 31) / 32 * 32);
   // Reused across calls: a fresh multi-MB allocation per layer costs its page faults each time.
   static thread_local std::vector<c10::BFloat16> vt_buf;
   if (static_cast<int64_t>(vt_buf.size()) < vt_off[batch]) vt_buf.resize(vt_off[batch]);
@@ -373,8 +403,8 @@ void paged_attention_prefill(
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
-      build_vt(vt + vt_off[b] + h * d * ((lens[b] + 31) / 32 * 32), vp, bt + b * bt_stride,
-               lens[b], block_size, token_stride, h, d);
+      build_vt(vt + vt_off[b] + h * d * ((klen[b] + 31) / 32 * 32), vp,
+               bt + b * bt_stride + first_block[b], klen[b], block_size, token_stride, h, d);
     }
   });
   // tasks: (sequence, query head, 16-query block)
@@ -384,17 +414,17 @@ void paged_attention_prefill(
     int64_t b = std::upper_bound(task_off.begin(), task_off.end(), begin) - task_off.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= task_off[b + 1]) ++b;
-      const int64_t q_len = ql[b], len = lens[b], qblocks = (q_len + 15) / 16;
+      const int64_t q_len = ql[b], len = klen[b], qblocks = (q_len + 15) / 16;
       const int64_t local = task - task_off[b], head = local / qblocks, j0 = (local % qblocks) * 16;
       const int64_t nq = std::min<int64_t>(16, q_len - j0), h = head / group;
       const int64_t pad = (len + 31) / 32 * 32, row0 = qs[b] + j0;
-      auto run =
-          d == 64 ? prefill_block_amx<64, c10::BFloat16> : prefill_block_amx<128, c10::BFloat16>;
-      const int64_t pos0 = len - q_len + j0;
-      run(op + row0 * out.stride(0) + head * d, out.stride(0),
-          qp + row0 * query.stride(0) + head * d, query.stride(0), nq, pos0, pos0 + nq, kp,
-          vt + vt_off[b] + h * d * pad, pad, bt + b * bt_stride, block_size, token_stride, h,
-          static_cast<float>(scale), scratch, nullptr);
+      const int64_t pos0 = len - q_len + j0;  // from kb[b]
+      const int64_t k0 = window_start(pos0, window) / 32 * 32;  // whole 32-key steps of V^T
+      prefill_block_for<c10::BFloat16>(d)(
+          op + row0 * out.stride(0) + head * d, out.stride(0),
+          qp + row0 * query.stride(0) + head * d, query.stride(0), nq, pos0, k0, pos0 + nq,
+          window, cap, kp, vt + vt_off[b] + h * d * pad, pad, bt + b * bt_stride + first_block[b],
+          block_size, token_stride, h, static_cast<float>(scale), scratch, nullptr);
     }
   };
   WorkQueue(task_off[batch]).run([&](WorkQueue& queue) {

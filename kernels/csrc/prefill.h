@@ -12,10 +12,10 @@ struct PrefillScratch {
   std::vector<float> st;              // [visible keys (padded to 32), 16]
   std::vector<c10::BFloat16> pt;      // P in B-tile layout: [keys / 2, 16 queries, 2]
   std::vector<c10::BFloat16> qt;      // [D / 32, 16, 16, 2]
-  alignas(64) float ot[8][16 * 16];   // out^T tiles
+  alignas(64) float ot[16][16 * 16];  // out^T tiles, up to head_dim 256
 };
 
-// head_dim 64 or 128, whole 16-token tiles per block, and the process may use AMX.
+// head_dim 64, 128 or 256, whole 16-token tiles per block, and the process may use AMX.
 bool prefill_amx_applies(int64_t d, int64_t block_size);
 
 // V^T of one sequence's KV head: dst[i * pad + t] = v[t][i] for t < len, 0 for len <= t < pad

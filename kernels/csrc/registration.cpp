@@ -8,11 +8,13 @@
 //     silu_and_mul             SwiGLU: silu(x[:, :I]) * x[:, I:]
 //     write_kv                 new tokens' K and V into their cache slots
 //   decode.cpp
-//     paged_attention_decode   one query token per sequence over its paged K/V, GQA-aware
+//     paged_attention_decode   one query token per sequence over its paged K/V, GQA-aware,
+//                              with an optional sliding window and logit soft-capping
 //     set_amx_decode           route bf16 decode to AMX or AVX-512; returns the old setting
 //   prefill.cpp
 //     amx_prefill_supported    whether paged_attention_prefill covers these shapes
-//     paged_attention_prefill  any number of new tokens per sequence, bottom-right causal
+//     paged_attention_prefill  any number of new tokens per sequence, bottom-right causal,
+//                              with an optional sliding window and logit soft-capping
 //   cascade.cpp
 //     cascade_supported        whether paged_attention_cascade covers these shapes
 //     paged_attention_cascade  decode over a prefix shared by every sequence, read once
@@ -36,11 +38,19 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("rotary_embedding", &rotary_embedding);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("write_kv", &write_kv);
-  m.def("paged_attention_decode", &paged_attention_decode);
+  // window and softcap default to 0 (full causal, no cap), so older callers keep working
+  m.def(
+      "paged_attention_decode(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_table, Tensor seq_lens, float scale, int window=0, float softcap=0.0) -> ()",
+      &paged_attention_decode);
   m.def("amx_available", &amx_available);
   m.def("set_amx_decode", &set_amx_decode);
   m.def("amx_prefill_supported", &amx_prefill_supported);
-  m.def("paged_attention_prefill", &paged_attention_prefill);
+  m.def(
+      "paged_attention_prefill(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_table, Tensor q_start, Tensor q_len, Tensor seq_lens, float scale, "
+      "int window=0, float softcap=0.0) -> ()",
+      &paged_attention_prefill);
   m.def("cascade_supported", &cascade_supported);
   m.def("paged_attention_cascade", &paged_attention_cascade);
   m.def("argmax_rows", &argmax_rows);
