@@ -13,7 +13,20 @@ Reports, averaged over the steps where the workload was still arriving (steady s
 running requests, the share of the KV memory holding real tokens, and the internal waste per
 request (allocated slots - tokens) in blocks. No torch, no model: pure bookkeeping.
 
+--sliding: the sliding-window case. A Gemma-3-like stack (18 layers, 5 local : 1 global, local
+window 512 or 1024) with the same KV memory laid out two ways, through the real Scheduler:
+
+  hybrid      KV cache groups (engine/kv_cache_groups.py): 6 groups of 3 layers over one pool,
+              the local groups returning blocks that slid out of the window
+  keep-all    one group of all 18 layers: every layer keeps every block
+
+Requests of 4k and 8k tokens (the prompt, then 128 decoded tokens). Reports per request the KV
+held at its longest, in layer-blocks (one layer's K and V of one block: the unit of memory), and
+how many decoding requests fit in the budget (fit = budget // KV per request) and how many
+run at once while others wait (prefill chunks hold more, so fewer than fit).
+
   python bench/kv_capacity.py
+  python bench/kv_capacity.py --sliding
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import EngineConfig
+from engine.kv_cache_groups import plan_kv_groups
 from engine.kv_cache_manager import cdiv
 from engine.outputs import ModelRunnerOutput
 from engine.request import Request
@@ -183,6 +197,106 @@ def print_table(rows: list[CapacityStats], budget_tokens: int, block_size: int) 
     )
 
 
+@dataclass
+class SlidingStats:
+    layout: str
+    window: int
+    num_tokens: int
+    layer_blocks_per_req: int  # most KV one decoding request held, in layer-blocks
+    prefill_peak_layer_blocks: int  # most it held at once, prefill chunks included
+    mean_running: float
+    max_running: int
+    num_preemptions: int
+
+
+GEMMA3_LAYERS = 18
+GEMMA3_PATTERN = 6  # every 6th layer global
+SLIDING_DECODE = 128
+
+
+def run_sliding(
+    layout: str, window: int, num_tokens: int, num_requests: int, budget_layer_blocks: int,
+    block_size: int, max_batched: int,
+) -> SlidingStats:
+    windows = [window if (i + 1) % GEMMA3_PATTERN else 0 for i in range(GEMMA3_LAYERS)]
+    spec = plan_kv_groups(windows if layout == "hybrid" else [0] * GEMMA3_LAYERS)
+    num_blocks = budget_layer_blocks // spec.num_slots
+    cfg = EngineConfig(
+        block_size=block_size,
+        max_num_seqs=1024,
+        max_model_len=num_tokens + 1,
+        max_num_batched_tokens=max_batched,
+        enable_prefix_caching=False,
+    )
+    sched = Scheduler(cfg, num_blocks, spec.windows)
+    kv = sched.kv_cache_manager
+    prompt_len = num_tokens - SLIDING_DECODE
+    for i in range(num_requests):
+        params = SamplingParams(temperature=0.0, max_tokens=SLIDING_DECODE, ignore_eos=True)
+        prompt = list(range(10_000 * i, 10_000 * i + prompt_len))  # distinct: no prefix hits
+        sched.add_request(Request(str(i), prompt, params))
+    running_samples: list[int] = []
+    decode_peak = prefill_peak = max_running = 0
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        max_running = max(max_running, len(sched.running))
+        if sched.waiting:
+            running_samples.append(len(sched.running))
+        for req in sched.running:
+            held = kv.get_num_held_blocks(req.request_id) * spec.num_slots
+            prefill_peak = max(prefill_peak, held)
+            if req.num_computed_tokens > prompt_len:
+                decode_peak = max(decode_peak, held)
+        sampled = [
+            _OTHER if c + n == r.num_tokens else None
+            for r, n, c in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)
+        ]
+        sched.update_from_output(out, ModelRunnerOutput(sampled))
+    assert kv.block_pool.get_num_free_blocks() == num_blocks, "blocks leaked"
+    kv.check_integrity()
+    return SlidingStats(
+        layout, window, num_tokens, decode_peak, prefill_peak,
+        float(np.mean(running_samples)) if running_samples else float(max_running),
+        max_running, sched.num_preemptions_total,
+    )
+
+
+def sliding_main(args) -> list[SlidingStats]:
+    budget = cdiv(args.kv_tokens, args.block_size) * GEMMA3_LAYERS  # layer-blocks
+    print(
+        f"Gemma-3-like stack: {GEMMA3_LAYERS} layers, 5 local : 1 global; KV budget "
+        f"{args.kv_tokens} tokens of all layers ({budget} layer-blocks of {args.block_size}); "
+        f"chunk {args.max_num_batched_tokens}; {args.num_requests} requests each"
+    )
+    print(
+        f"{'window':>6} {'tokens':>6} {'layout':<9} {'KV/req (layer-blocks)':>21} "
+        f"{'prefill peak':>12} {'fit':>4} {'mean run':>8} {'max run':>7} {'preempt':>7}"
+    )
+    rows = []
+    for window in (512, 1024):
+        for num_tokens in (4096, 8192):
+            pair = [
+                run_sliding(
+                    layout, window, num_tokens, args.num_requests, budget, args.block_size,
+                    args.max_num_batched_tokens,
+                )
+                for layout in ("hybrid", "keep-all")
+            ]
+            for r in pair:
+                print(
+                    f"{r.window:>6} {r.num_tokens:>6} {r.layout:<9} "
+                    f"{r.layer_blocks_per_req:>21} {r.prefill_peak_layer_blocks:>12} "
+                    f"{budget // r.layer_blocks_per_req:>4} {r.mean_running:>8.1f} "
+                    f"{r.max_running:>7} {r.num_preemptions:>7}"
+                )
+            hybrid, full = pair
+            less = full.layer_blocks_per_req / hybrid.layer_blocks_per_req
+            more = hybrid.mean_running / full.mean_running
+            print(f"{'':>14} hybrid: {less:.2f}x less KV per request, {more:.2f}x as many run")
+            rows += pair
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--num-requests", type=int, default=256)
@@ -191,8 +305,14 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write both rows as JSON here")
+    p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--sliding", action="store_true", help="the sliding-window case instead")
     args = p.parse_args()
+    if args.sliding:
+        rows = sliding_main(args)
+        if args.out:
+            Path(args.out).write_text(json.dumps([asdict(r) for r in rows], indent=2))
+        return
     specs = make_specs(args.num_requests, args.seed)
     num_blocks = cdiv(args.kv_tokens, args.block_size)
     shape = (specs, num_blocks, args.block_size, args.max_model_len, args.max_num_batched_tokens)

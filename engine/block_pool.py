@@ -185,10 +185,14 @@ class BlockPool:
             block_hash = block_hashes[i]
             if block_hash in cached:
                 continue  # same content computed twice; keep the first copy as the cached one
-            block.block_hash = block_hash
-            cached[block_hash] = block
-            self.hash_tags[block.block_id] = self._next_hash_tag
-            self._next_hash_tag = self._next_hash_tag % 255 + 1
+            self.cache_block(block, block_hash)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Register one held, full, unhashed block under a hash no other block has."""
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block[block_hash] = block
+        self.hash_tags[block.block_id] = self._next_hash_tag
+        self._next_hash_tag = self._next_hash_tag % 255 + 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only when no request holds a block."""

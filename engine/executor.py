@@ -59,6 +59,7 @@ class ExecutorStats:
 
 class Executor(ABC):
     num_blocks: int
+    kv_windows: tuple[int, ...]  # attention window of each KV cache group (0: full attention)
     dtype: object
     device: object
     backend_name: str
@@ -92,6 +93,7 @@ class UniProcExecutor(Executor):
 
         self.runner = ModelRunner(config, model_dir, hf_config)
         self.num_blocks = self.runner.num_blocks
+        self.kv_windows = self.runner.kv_cache_spec.windows
         self.dtype, self.device = self.runner.dtype, self.runner.device
         self.backend_name = self.runner.backend.name
         self.stats = ExecutorStats()
@@ -287,6 +289,7 @@ class MultiprocExecutor(Executor):
         self.workers = WorkerGroup(config, model_dir, port)
         info = self.workers.infos[0]
         self.num_blocks = info["num_blocks"]
+        self.kv_windows = tuple(info["kv_windows"])
         self.dtype, self.device = info["dtype"], info["device"]
         self.backend_name = info["backend"]
         self.encoder = WireEncoder()

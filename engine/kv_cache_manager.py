@@ -8,6 +8,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KVCacheBlock
+from engine.kv_cache_groups import KVCacheSpec, make_groups
+from engine.kv_cache_groups import cdiv as cdiv  # callers import it from here
 from engine.request import Request
 
 _ROOT_HASH = b"pagedserve-root"
@@ -31,19 +33,35 @@ class PrefixCacheStats:
     num_hits: int = 0
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(a // -b)
-
-
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    """Every KV cache group's block tables over one shared block pool.
+
+    group_windows: one entry per group, 0 for full attention, W for a sliding window of W
+    tokens (engine/kv_cache_groups.py); the default is one full-attention group. Each request
+    has one block table per group; allocation, prefix hits and free are one operation across
+    groups, so a request holds blocks in every group or in none.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        group_windows: tuple[int, ...] = (0,),
+        max_num_batched_tokens: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_to_block_ids: dict[str, list[int]] = {}  # grows with req_to_blocks, never rebuilt
+        spec = KVCacheSpec(tuple(group_windows), tuple(() for _ in group_windows))
+        self.groups = make_groups(spec, block_size, self.block_pool)
+        self.is_hybrid = spec.is_hybrid  # sliding blocks to return, several tables
+        self.max_num_batched_tokens = max_num_batched_tokens
+        first = self.groups[0]  # group 0's tables keep their old names for single-group callers
+        self.req_to_blocks = first.req_to_blocks
+        self.req_to_block_ids = first.req_to_block_ids  # grows with req_to_blocks, never rebuilt
+        self.num_cached_blocks = first.num_cached_blocks
         self.req_to_block_hashes: dict[str, list[bytes]] = {}
-        self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
         # Lookups (tokens, hit tokens) counted in the stats only once the request is admitted,
         # so a waiting head that is looked up every step while the pool is short counts once.
@@ -54,8 +72,18 @@ class KVCacheManager:
         return self.block_pool.num_blocks
 
     @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
     def usage(self) -> float:
         return self.block_pool.get_usage()
+
+    def max_blocks_per_request(self, num_tokens: int) -> int:
+        """Most blocks one request with num_tokens KV tokens holds at once, over all groups: a
+        sliding group's need stops growing at its window plus one step's chunk."""
+        chunk = self.max_num_batched_tokens or num_tokens
+        return sum(g.max_blocks_per_request(num_tokens, chunk) for g in self.groups)
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         """Hashes of every full block of the request's known tokens, extended incrementally."""
@@ -68,62 +96,81 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, tokens[start : start + bs]))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[list, int]:
         """Longest cached prefix, capped so the last token is always recomputed for logits.
 
-        The blocks are not yet held: pass them to allocate_slots, which touches them.
+        Returns (hit blocks, hit tokens): with one group a list of blocks, with several one list
+        per group, where a sliding group has None for the blocks before its window (only the
+        last window must be cached). The blocks are not yet held: pass them to allocate_slots,
+        which touches them.
         """
         # A hit skips prompt rows, and prompt logprobs need every prompt position computed.
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
+            return ([[] for _ in self.groups] if self.num_groups > 1 else []), 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        get_cached_block = self.block_pool.get_cached_block
-        hits: list[KVCacheBlock] = []
-        for block_hash in hashes[:max_blocks]:
-            block = get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
+        num_hit, agreed = max_blocks, False
+        while not agreed:  # each group may shorten the hit; stop when all agree on one length
+            before = num_hit
+            for group in self.groups:
+                num_hit = group.find_hit(hashes, num_hit)
+            agreed = num_hit == before or self.num_groups == 1
+        hits = [g.hit_blocks(hashes, num_hit) for g in self.groups]
+        num_hit_tokens = num_hit * self.block_size
         self._pending_queries[request.request_id] = (request.num_tokens, num_hit_tokens)
-        return hits, num_hit_tokens
+        return (hits if self.num_groups > 1 else hits[0]), num_hit_tokens
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: list | None = None,
         num_new_computed_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Blocks for num_new_tokens more tokens, or None (and no change at all) if short.
+        """Blocks for num_new_tokens more tokens (every group's, in group order), or None if the
+        pool is short, with no change but the return of blocks that slid out of a window.
 
-        | computed | new_computed (prefix hit) | new (this step) |
+        | skipped (sliding groups) | computed | new_computed (prefix hit) | new (this step) |
         """
-        new_computed_blocks = new_computed_blocks or []
         rid = request.request_id
-        req_blocks = self.req_to_blocks.get(rid)
-        num_held = len(req_blocks) if req_blocks else 0
+        groups = self.groups
+        hits_per_group = self._hits_per_group(new_computed_blocks)
+        if self.is_hybrid:  # dead blocks first: they may be what this allocation needs
+            for group in groups:
+                group.remove_skipped_blocks(rid, request.num_computed_tokens)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        num_new_blocks = max(num_required - num_held - len(new_computed_blocks), 0)
+        num_tokens = num_computed + num_new_tokens
+        num_new = [
+            g.num_new_blocks(rid, num_tokens, len(h)) for g, h in zip(groups, hits_per_group)
+        ]
         # Hit blocks that sit in the free queue stop being free once touched.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+        num_evictable_hits = sum(
+            1 for hits in hits_per_group for b in hits if b is not None and b.ref_cnt == 0
+        )
+        pool = self.block_pool
+        if sum(num_new) > pool.get_num_free_blocks() - num_evictable_hits:
             return None
-        if req_blocks is None:
-            req_blocks = self.req_to_blocks[rid] = []
-            self.req_to_block_ids[rid] = []
         self._commit_query(rid)
-        self.block_pool.touch(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        block_ids = self.req_to_block_ids[rid]
-        for added in (new_computed_blocks, new_blocks):
-            req_blocks.extend(added)
-            block_ids.extend(b.block_id for b in added)
+        # Every group's hits leave the free queue before any new block is taken from it: a new
+        # block for one group must never be another group's hit, evicted.
+        for hits in hits_per_group:
+            pool.touch(b for b in hits if b is not None)
+        new_blocks: list[KVCacheBlock] = []
+        for group, hits, n in zip(groups, hits_per_group, num_new):
+            blocks = pool.get_new_blocks(n) if n else []
+            group.append(rid, hits, blocks)
+            new_blocks += blocks
         if self.enable_caching:
-            self._cache_blocks(request, num_computed + num_new_tokens)
+            num_full = min(num_tokens, request.num_tokens) // self.block_size
+            hashes = self._block_hashes(request)
+            for group in groups:
+                group.cache_blocks(rid, hashes, num_full)
         return new_blocks
+
+    def _hits_per_group(self, new_computed_blocks: list | None) -> list[list]:
+        if not new_computed_blocks:
+            return [[] for _ in self.groups] if self.num_groups > 1 else [[]]
+        return new_computed_blocks if self.num_groups > 1 else [new_computed_blocks]
 
     def _commit_query(self, request_id: str) -> None:
         pending = self._pending_queries.pop(request_id, None)
@@ -131,45 +178,35 @@ class KVCacheManager:
             self.prefix_cache_stats.num_queries += pending[0]
             self.prefix_cache_stats.num_hits += pending[1]
 
-    def _cache_blocks(self, request: Request, num_tokens: int) -> None:
-        rid = request.request_id
-        start = self.num_cached_blocks.get(rid, 0)
-        end = min(num_tokens, request.num_tokens) // self.block_size
-        if end > start:
-            hashes = self._block_hashes(request)
-            self.block_pool.cache_full_blocks(self.req_to_blocks[rid], hashes, start, end)
-            self.num_cached_blocks[rid] = end
-
     def free(self, request: Request) -> None:
-        """Release in reverse so a chain's tail is evicted before its head."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.block_pool.free_blocks(reversed(blocks))
-        self._forget(request.request_id)
+        """Release every group's blocks, each table in reverse (a chain's tail is evicted first)."""
+        rid = request.request_id
+        for group in reversed(self.groups):
+            group.free(rid)
+        self._pending_queries.pop(rid, None)
         if request.finished:  # a preempted request keeps its hashes: its tokens do not change
-            self.req_to_block_hashes.pop(request.request_id, None)
+            self.req_to_block_hashes.pop(rid, None)
 
-    def _forget(self, request_id: str) -> None:
-        self._pending_queries.pop(request_id, None)
-        self.req_to_blocks.pop(request_id, None)
-        self.req_to_block_ids.pop(request_id, None)
-        self.num_cached_blocks.pop(request_id, None)
+    def get_block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """The live block table of a request in one group (do not mutate); empty if none."""
+        return self.groups[group].req_to_block_ids.get(request_id, [])
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The live block table of a request (do not mutate); empty if it holds none."""
-        return self.req_to_block_ids.get(request_id, [])
+    def get_num_held_blocks(self, request_id: str) -> int:
+        """Real blocks (not placeholders) the request holds over all groups."""
+        return sum(
+            sum(1 for b in g.req_to_blocks.get(request_id, ()) if b is not None)
+            for g in self.groups
+        )
 
     def check_integrity(self) -> None:
-        """The pool's invariants, plus: each ref count equals the number of requests holding the
-        block, no request holds a block twice, only hashed blocks are shared, and the block id
-        tables mirror the block lists."""
+        """The pool's invariants, plus: each ref count equals the number of (request, group)
+        tables holding the block, no table holds a block twice, only hashed blocks are shared,
+        a request holds blocks in every group or none, and the id tables mirror the blocks."""
         self.block_pool.check_integrity()
         holders: Counter[int] = Counter()
-        assert self.req_to_blocks.keys() == self.req_to_block_ids.keys()
-        for rid, blocks in self.req_to_blocks.items():
-            ids = [b.block_id for b in blocks]
-            assert self.req_to_block_ids[rid] == ids, f"block table of {rid} is stale"
-            assert len(set(ids)) == len(ids), f"{rid} holds a block twice"
-            holders.update(ids)
+        for group in self.groups:
+            holders.update(group.check_integrity())
+            assert group.req_to_blocks.keys() == self.req_to_blocks.keys(), "groups disagree"
         for block in self.block_pool.blocks:
             assert block.ref_cnt == holders[block.block_id], f"{block} has the wrong ref count"
             assert block.ref_cnt <= 1 or block.block_hash is not None, f"{block} shared unhashed"

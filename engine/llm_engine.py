@@ -43,7 +43,7 @@ class LLMEngine:
         self.model_name = config.served_model_name or _default_model_name(config.model)
         check_tensor_parallel(self.hf_config, self.config.tensor_parallel_size)
         self.executor = create_executor(self.config, self.model_dir, self.hf_config)
-        self.scheduler = Scheduler(self.config, self.executor.num_blocks)
+        self.scheduler = Scheduler(self.config, self.executor.num_blocks, self.executor.kv_windows)
         self.generation_config = read_generation_config(self.model_dir)
         self.eos_token_ids = declared_eos_ids(self.hf_config, self.generation_config)
         self.eos_token_id = self.tokenizer.eos_token_id

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -15,8 +16,9 @@ from engine.cuda_graphs import DecodeCudaGraphs
 from engine.distributed import get_tp, min_across_ranks
 from engine.dtype import resolve_dtype
 from engine.fused_decode import FusedDecode
+from engine.kv_cache_groups import KVCacheSpec, max_blocks_per_request, plan_kv_groups
 from engine.kv_cache_manager import cdiv
-from engine.layers import select_impls
+from engine.layers import Attention, GroupedAttentionMetadata, select_impls
 from engine.logprobs import compute_prompt_logprobs
 from engine.models import check_model_config, get_model_class
 from engine.outputs import ModelRunnerOutput
@@ -66,15 +68,20 @@ class ModelRunner:
         self.num_layers = len(self.model.model.layers)
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim  # this rank's heads
         self.tp = get_tp()
+        self.kv_cache_spec = self._plan_kv_cache_groups()
         # Every rank's cache holds its KV heads with the same block tables: one pool size.
         self.num_blocks = min_across_ranks(self._measure_num_blocks())
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(self.device, load_cpu_ops() if self.device.type == "cpu" else None)
         self._allocate_input_buffers()
-        # Neither the graphs nor the fused decode step know the row-parallel all-reduces.
-        sharded = self.tp.world_size > 1
-        self.decode_graphs = None if sharded else DecodeCudaGraphs.build(self)  # None: eager
-        self.fused_decode = None if sharded else FusedDecode.build(self.model, self.backend)
+        self.decode_graphs = self.fused_decode = None
+        # Neither the graphs nor the fused decode step know the row-parallel all-reduces,
+        # windows or logit caps.
+        if self._plain_attention and self.tp.world_size == 1:
+            self.decode_graphs = DecodeCudaGraphs.build(self)  # None: eager (CPU, enforce_eager)
+            self.fused_decode = FusedDecode.build(self.model, self.backend)  # None: per layer
+        if not self._plain_attention:
+            logger.info("KV cache groups (window per group): %s", self.kv_cache_spec.windows)
 
     def _allocate_input_buffers(self) -> None:
         """Host buffers reused every step, sized for the largest possible batch."""
@@ -83,12 +90,47 @@ class ModelRunner:
         self._input_ids = np.zeros(n, dtype=np.int64)
         self._positions = np.zeros(n, dtype=np.int64)
         self._slot_mapping = np.zeros(n, dtype=np.int64)
-        self.block_tables = BlockTables(cdiv(self.config.max_model_len, self.block_size))
+        max_blocks = cdiv(self.config.max_model_len, self.block_size)
+        self.block_tables = BlockTables(max_blocks)  # group 0's
+        self.group_block_tables = [
+            BlockTables(max_blocks) for _ in range(1, self.kv_cache_spec.num_groups)
+        ]
+
+    # ---- KV cache groups ---------------------------------------------------------------------
+    def _plan_kv_cache_groups(self) -> KVCacheSpec:
+        """Groups the layers by window, tells each layer its group, and checks the backend.
+
+        A window no shorter than max_model_len never hides a token: such layers attend fully.
+        """
+        attns = [_attention_of(layer) for layer in self.model.model.layers]
+        for attn in attns:
+            if attn.window >= self.config.max_model_len:
+                attn.window = 0
+        for flag, what in (("supports_sliding_window", "window"), ("supports_softcap", "softcap")):
+            if any(getattr(a, what) for a in attns) and not getattr(self.backend, flag):
+                raise ValueError(
+                    f"attention backend {self.backend.name} has no {what} support, which this "
+                    f"model's layers need; choose another with --attention-backend"
+                )
+        self._plain_attention = not any(a.window or a.softcap for a in attns)
+        spec = plan_kv_groups([a.window for a in attns])
+        for layer, (group, _) in spec.group_and_slot().items():
+            attns[layer].kv_group = group
+        return spec
 
     # ---- KV cache ----------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        num_slots = self.kv_cache_spec.num_slots  # one layer of every group shares a slot
+        return 2 * num_slots * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def max_blocks_per_request(self, num_tokens: int) -> int:
+        """Most blocks one request of num_tokens KV tokens holds at once, over all groups."""
+        cfg = self.config
+        windows = self.kv_cache_spec.windows
+        return max_blocks_per_request(
+            windows, self.block_size, num_tokens, cfg.max_num_batched_tokens
+        )
 
     def _measure_num_blocks(self) -> int:
         cfg = self.config
@@ -96,7 +138,7 @@ class ModelRunner:
             return cfg.num_gpu_blocks_override
         budget = cfg.kv_cache_memory_bytes or self._default_kv_budget()
         # More than every sequence at full length is never useful.
-        cap = cfg.max_num_seqs * cdiv(cfg.max_model_len, self.block_size)
+        cap = cfg.max_num_seqs * self.max_blocks_per_request(cfg.max_model_len)
         return max(1, min(budget // self._bytes_per_block(), cap))
 
     def _default_kv_budget(self) -> int:
@@ -107,11 +149,16 @@ class ModelRunner:
         return max(0, int(total * self.config.gpu_memory_utilization) - used)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One (K, V) pair per layer slot; each layer gets its slot's pair (the same tensors
+        for the layers of different groups in one slot: a block belongs to one group at once)."""
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         kw = dict(dtype=self.dtype, device=self.device)
-        return [
-            (torch.zeros(shape, **kw), torch.zeros(shape, **kw)) for _ in range(self.num_layers)
+        slots = [
+            (torch.zeros(shape, **kw), torch.zeros(shape, **kw))
+            for _ in range(self.kv_cache_spec.num_slots)
         ]
+        placement = self.kv_cache_spec.group_and_slot()
+        return [slots[placement[layer][1]] for layer in range(self.num_layers)]
 
     # ---- one step ----------------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput):
@@ -158,11 +205,49 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
-            decode_shared_blocks=shared_prefix_blocks(block_table, query_lens, seq_lens, bs),
+            # placeholders of slid-out blocks look shared: sliding groups take no cascade
+            decode_shared_blocks=0
+            if self.kv_cache_spec.windows[0]
+            else shared_prefix_blocks(block_table, query_lens, seq_lens, bs),
         )
+        if self.group_block_tables:
+            meta = self._grouped_metadata(out, meta, positions, max_blocks)
         ids_t = torch.from_numpy(input_ids).to(dev)
         pos_t = torch.from_numpy(positions).to(dev)
         return ids_t, pos_t, meta, logits_rows, sample_idx
+
+    def _grouped_metadata(self, out, meta, positions, max_blocks: int):
+        """Group 0's metadata plus one per other group: its own slots and block table."""
+        bs, dev = self.block_size, self.device
+        query_lens = np.asarray(meta.query_lens_cpu, dtype=np.int64)
+        grouped = GroupedAttentionMetadata(**{f: getattr(meta, f) for f in _META_FIELDS})
+        grouped.groups.append(grouped)
+        for g, tables in enumerate(self.group_block_tables, start=1):
+            deltas = [d[g - 1] for d in out.group_new_block_ids]
+            rows = tables.update(out, deltas)
+            row_of_token = np.repeat(rows, query_lens)
+            table = tables.table
+            slots = table[row_of_token, positions // bs] * bs + positions % bs
+            block_table = table[rows, :max_blocks]
+            shared = 0
+            if self.kv_cache_spec.windows[g] == 0:
+                shared = shared_prefix_blocks(
+                    block_table, query_lens, np.asarray(meta.seq_lens_cpu), bs
+                )
+            grouped.groups.append(
+                AttentionMetadata(
+                    slot_mapping=torch.from_numpy(slots).to(dev),
+                    query_start_loc=meta.query_start_loc,
+                    seq_lens=meta.seq_lens,
+                    block_table=torch.from_numpy(block_table).to(dev),
+                    query_lens_cpu=meta.query_lens_cpu,
+                    seq_lens_cpu=meta.seq_lens_cpu,
+                    max_query_len=meta.max_query_len,
+                    max_seq_len=meta.max_seq_len,
+                    decode_shared_blocks=shared,
+                )
+            )
+        return grouped
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -198,6 +283,15 @@ class ModelRunner:
         """Drops a finished request's sampler state and block-table row (from finished_req_ids)."""
         self.sampler.release(request_id)
         self.block_tables.release(request_id)
+        for tables in self.group_block_tables:
+            tables.release(request_id)
+
+
+_META_FIELDS = [f.name for f in dataclasses.fields(AttentionMetadata)]
+
+
+def _attention_of(layer: nn.Module) -> Attention:
+    return next(m for m in layer.modules() if isinstance(m, Attention))
 
 
 def _set_cpu_threads() -> None:
@@ -245,11 +339,15 @@ class BlockTables:
         self.row_of: dict[str, int] = {}
         self.num_filled: dict[str, int] = {}
 
-    def update(self, out: SchedulerOutput) -> np.ndarray:  # [num_reqs] row of each request
+    def update(
+        self, out: SchedulerOutput, new_block_ids: list[tuple[int, ...]] | None = None
+    ) -> np.ndarray:  # [num_reqs] row of each request
+        """Applies the step's deltas: out.new_block_ids (group 0's), or new_block_ids given."""
         rows = np.empty(len(out.requests), dtype=np.int64)
         row_of, num_filled = self.row_of, self.num_filled
+        deltas = out.new_block_ids if new_block_ids is None else new_block_ids
         for i, (req, new_ids, reset) in enumerate(
-            zip(out.requests, out.new_block_ids, out.block_table_reset)
+            zip(out.requests, deltas, out.block_table_reset)
         ):
             rid = req.request_id
             row = row_of.get(rid)

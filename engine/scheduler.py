@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.block_pool import KVCacheBlock
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import ModelRunnerOutput
 from engine.request import Request, RequestRejectedError, RequestStatus
 from engine.request_queue import RequestQueue
@@ -42,6 +42,9 @@ class SchedulerOutput:
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
     new_block_ids: list[tuple[int, ...]] = field(default_factory=list)  # allocated this step
     block_table_reset: list[bool] = field(default_factory=list)  # True: the table starts over
+    # Models with several KV cache groups: per request, groups 1.. in order, the same delta as
+    # new_block_ids (which is group 0's). Empty for one group.
+    group_new_block_ids: list[tuple[tuple[int, ...], ...]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_new_requests: int = 0  # admitted from the waiting queue this step
     finished_req_ids: list[str] = field(default_factory=list)  # finished since the last step
@@ -56,15 +59,26 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(
+        self, config: EngineConfig, num_blocks: int, group_windows: tuple[int, ...] = (0,)
+    ) -> None:
+        """group_windows: the model's KV cache groups, 0 for full attention, W for a sliding
+        window (ModelRunner.kv_cache_spec.windows); the default is one full-attention group."""
         self.config = config
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.block_size = config.block_size
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            group_windows,
+            config.max_num_batched_tokens,
         )
+        # Sliding groups return blocks on steps that allocate nothing, and several groups need
+        # a delta each: such models call allocate_slots every step.
+        self.is_hybrid = self.kv_cache_manager.is_hybrid
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = RequestQueue()  # FCFS; preempted requests go back to the front
         self.running: list[Request] = []  # admission order: the last one is preempted first
@@ -105,7 +119,7 @@ class Scheduler:
                 "prompt",
                 "context_length_exceeded",
             )
-        needed = cdiv(self.max_kv_tokens(request), self.config.block_size)
+        needed = self.kv_cache_manager.max_blocks_per_request(self.max_kv_tokens(request))
         if needed > self.kv_cache_manager.num_blocks:
             raise RequestRejectedError(
                 f"The request needs {needed} KV cache blocks but the whole pool has "
@@ -145,6 +159,7 @@ class Scheduler:
         batch, num_scheduled = out.requests, out.num_scheduled_tokens
         num_computed, new_block_ids = out.num_computed_tokens, out.new_block_ids
         resets = out.block_table_reset
+        hybrid = self.is_hybrid
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -155,13 +170,21 @@ class Scheduler:
                 continue
             end = computed + num_new
             new_ids = _NO_NEW_BLOCKS
-            if end > len(get_block_ids(req.request_id)) * bs or end // bs != computed // bs:
+            if hybrid:
+                num_before = self._num_table_entries(req.request_id)
+            if (
+                hybrid
+                or end > len(get_block_ids(req.request_id)) * bs
+                or end // bs != computed // bs
+            ):
                 new_blocks = allocate_slots(req, num_new)
                 if new_blocks is None:
                     new_blocks = self._preempt_until_fits(req, num_new, out)
                     if new_blocks is None:
                         break
-                if new_blocks:
+                if hybrid:
+                    new_ids = self._add_group_deltas(out, req.request_id, num_before)
+                elif new_blocks:
                     new_ids = tuple([b.block_id for b in new_blocks])
             batch.append(req)
             num_scheduled.append(num_new)
@@ -171,6 +194,19 @@ class Scheduler:
             req.num_computed_tokens = end
             budget -= num_new
         return budget
+
+    def _num_table_entries(self, request_id: str) -> list[int]:
+        kv = self.kv_cache_manager
+        return [len(kv.get_block_ids(request_id, g)) for g in range(kv.num_groups)]
+
+    def _add_group_deltas(self, out: SchedulerOutput, request_id: str, num_before: list[int]):
+        """Group 0's new ids (returned) and the other groups' (appended to the output)."""
+        kv = self.kv_cache_manager
+        deltas = [
+            tuple(kv.get_block_ids(request_id, g)[n:]) for g, n in enumerate(num_before)
+        ]
+        out.group_new_block_ids.append(tuple(deltas[1:]))
+        return deltas[0]
 
     def _preempt_until_fits(
         self, req: Request, num_new: int, out: SchedulerOutput
@@ -212,7 +248,11 @@ class Scheduler:
         out.num_scheduled_tokens.append(num_new)
         out.num_computed_tokens.append(computed)
         # Waiting requests hold no blocks, so what they hold now is their whole new table.
-        out.new_block_ids.append(tuple(self.kv_cache_manager.get_block_ids(req.request_id)))
+        kv = self.kv_cache_manager
+        out.new_block_ids.append(tuple(kv.get_block_ids(req.request_id)))
+        if self.is_hybrid:
+            tables = [tuple(kv.get_block_ids(req.request_id, g)) for g in range(1, kv.num_groups)]
+            out.group_new_block_ids.append(tuple(tables))
         out.block_table_reset.append(True)
         req.num_computed_tokens = computed + num_new
 

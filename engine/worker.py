@@ -116,7 +116,10 @@ class Worker:
 
     def info(self) -> dict:
         r = self.runner
-        return dict(num_blocks=r.num_blocks, dtype=r.dtype, device=r.device, backend=r.backend.name)
+        return dict(
+            num_blocks=r.num_blocks, kv_windows=r.kv_cache_spec.windows, dtype=r.dtype,
+            device=r.device, backend=r.backend.name,
+        )
 
     def loop(self, conn) -> None:
         from engine.distributed import barrier, broadcast_bytes, collective_timer, get_tp

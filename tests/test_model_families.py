@@ -214,12 +214,15 @@ def test_unsupported_rope_type_is_refused_naming_it(tmp_path):
     assert "'proportional'" in msg and "llama3" in msg and "longrope" in msg and "\n" not in msg
 
 
-def test_mistral_sliding_window_is_refused(tmp_path):
+def test_mistral_sliding_window_is_served(tmp_path, prompts):
+    """A set sliding_window is served windowed (tests/test_gemma.py covers the paths)."""
     path = _edit_config(tmp_path, "mistral", sliding_window=32)
-    with pytest.raises(ValueError, match="sliding_window=32"):
-        LLM(str(path), dtype="float32", max_model_len=256)
+    llm = LLM(str(path), dtype="float32", max_model_len=256)
+    assert llm.engine.runner.kv_cache_spec.windows == (32,)
+    assert _tokens(llm, prompts) == hf_greedy(path, prompts, MAX_NEW)
     # a window no shorter than max_model_len hides nothing: served as full attention
-    assert LLM(str(path), dtype="float32", max_model_len=32).generate([[5, 6]], _greedy())
+    llm = LLM(str(path), dtype="float32", max_model_len=32)
+    assert llm.engine.runner.kv_cache_spec.windows == (0,)
 
 
 def test_every_declared_eos_id_stops(tmp_path, prompts):
@@ -254,7 +257,7 @@ def test_every_declared_eos_id_stops(tmp_path, prompts):
 def test_registry_has_what_the_readme_lists():
     assert set(SUPPORTED_ARCHITECTURES) == {
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-        "Qwen3MoeForCausalLM", "Phi3ForCausalLM",
+        "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
     }
 
 

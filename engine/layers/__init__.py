@@ -7,8 +7,8 @@
 
 from __future__ import annotations
 
-from engine.layers.activation import SiluAndMul
-from engine.layers.attention import Attention, KVCache
+from engine.layers.activation import GeluAndMul, SiluAndMul
+from engine.layers.attention import Attention, GroupedAttentionMetadata, KVCache, layer_windows
 from engine.layers.base import CPU, NATIVE, KernelLayer, select_impls
 from engine.layers.experts import Experts
 from engine.layers.linear import PACKED, Linear
@@ -23,6 +23,8 @@ __all__ = [
     "ROPE_TYPES",
     "Attention",
     "Experts",
+    "GeluAndMul",
+    "GroupedAttentionMetadata",
     "KVCache",
     "KernelLayer",
     "Linear",
@@ -31,6 +33,7 @@ __all__ = [
     "SiluAndMul",
     "apply_rope",
     "check_rope",
+    "layer_windows",
     "rope_from_config",
     "select_impls",
 ]

@@ -13,6 +13,8 @@ from __future__ import annotations
 from torch import nn
 
 from engine.layers import check_rope
+from engine.models.gemma2 import Gemma2ForCausalLM
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mistral import MistralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
@@ -27,6 +29,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
 

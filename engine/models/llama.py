@@ -21,6 +21,7 @@ from engine.layers import (
     Linear,
     RMSNorm,
     SiluAndMul,
+    layer_windows,
     rope_from_config,
 )
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -130,6 +131,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.rotary = rope_from_config(cfg, head_dim_of(cfg))  # raises for an unsupported scaling
         self.model = LlamaModel(cfg, backend, self.decoder_layer_cls)
+        for layer, window in zip(self.model.layers, layer_windows(cfg)):
+            if isinstance(getattr(layer.self_attn, "attn", None), Attention):
+                layer.self_attn.attn.window = window  # Mistral, Qwen2/3 with sliding windows
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, bias=False)
         if getattr(cfg, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -151,7 +155,6 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def check_config(cls, cfg, max_model_len: int) -> None:
         """ValueError for what the config asks and this implementation does not do."""
-        check_no_sliding_window(cfg, max_model_len)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         return self.lm_head.logits(hidden).float()  # every rank's vocabulary shard, gathered
@@ -184,23 +187,6 @@ class LlamaForCausalLM(nn.Module):
 
 def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
-def check_no_sliding_window(cfg, max_model_len: int) -> None:
-    """Sliding-window attention is not implemented. A window no shorter than max_model_len never
-    hides a token (full attention is the same), so only a shorter one is refused."""
-    window = getattr(cfg, "sliding_window", None)
-    if getattr(cfg, "use_sliding_window", True) is False:
-        window = None
-    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []) and window is None:
-        window = 0
-    if window is not None and window < max_model_len:
-        arch = (getattr(cfg, "architectures", None) or ["this model"])[0]
-        raise ValueError(
-            f"{arch}: sliding_window={window} is shorter than max_model_len={max_model_len} and "
-            f"sliding-window attention is not supported yet; serve it with --max-model-len "
-            f"{window} or less, or a checkpoint with sliding_window null"
-        )
 
 
 def _fused_params(layers: nn.ModuleList, state: dict[str, torch.Tensor]):

@@ -1,6 +1,6 @@
-"""Mistral: Llama's decoder. Its checkpoints differ only in sliding_window, which must be null
-here (LlamaForCausalLM.check_config refuses a set window: sliding-window attention is not
-implemented)."""
+"""Mistral: Llama's decoder. A set sliding_window makes every layer attend to the last
+sliding_window tokens (Mistral 7B v0.1: 4096); the window reaches each layer's Attention through
+LlamaForCausalLM (engine/layers/attention.py layer_windows)."""
 
 from __future__ import annotations
 
