@@ -9,9 +9,10 @@ Llama's shape:
     input_layernorm (RMSNorm) -> self_attn {qkv_proj, o_proj: Linear without bias, attn} ->
     post_attention_layernorm (RMSNorm) -> mlp {gate_up_proj, down_proj: Linear, act_fn: SiluAndMul}
 
-with one full-width rotary (any scaling variant: the kernel reads its cos|sin table) and one eps.
-Any other module inside a layer (q/k norms, extra norms, experts), a bias or a norm subclass
-make it decline.
+with one full-width rotary (any scaling variant: the kernel reads its cos|sin table) and one eps;
+self_attn may also hold Qwen3's per-head `q_norm` and `k_norm` (RMSNorm, in every layer), which
+the kernel applies before RoPE as the layers do. Any other module inside a layer (extra norms,
+experts), a bias or a norm subclass make it decline.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kernels.backend import DecoderStack, FusedDecodeStep
 _LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 # the model's linears at one rank (the runner builds no fused step above one)
 _ATTN = {"qkv_proj": QKVParallelLinear, "o_proj": RowParallelLinear, "attn": Attention}
+_ATTN_QK_NORM = {**_ATTN, "q_norm": RMSNorm, "k_norm": RMSNorm}
 _MLP = {
     "gate_up_proj": MergedColumnParallelLinear,
     "down_proj": RowParallelLinear,
@@ -63,12 +65,14 @@ def decoder_stack(model: nn.Module) -> DecoderStack | None:
     weights: list[torch.Tensor | None] = []
     eps = {norm.eps}
     attn = None
+    qk_norm = hasattr(model.model.layers[0].self_attn, "q_norm")  # the same in every layer
     for layer in model.model.layers:
         if not _children_are(layer, dict.fromkeys(_LAYER)):
             return None
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if not _children_are(attn, _ATTN) or not _children_are(mlp, _MLP):
+        attn_children = _ATTN_QK_NORM if qk_norm else _ATTN
+        if not _children_are(attn, attn_children) or not _children_are(mlp, _MLP):
             return None
         if any(type(n) is not RMSNorm for n in norms):
             return None
@@ -76,8 +80,12 @@ def decoder_stack(model: nn.Module) -> DecoderStack | None:
         if any(m.packed is None or m.packed.bias is not None for m in linears):
             return None  # unpacked (not bf16 on CPU) or with a bias: the kernel has neither
         eps.update(n.eps for n in norms)
-        weights += [norms[0].weight, linears[0].kernel_weight, linears[1].kernel_weight]
-        weights += [norms[1].weight, linears[2].kernel_weight, linears[3].kernel_weight]
+        weights += [norms[0].weight, linears[0].kernel_weight]
+        if qk_norm:  # eight weights per layer: the kernel's layout with q/k norms
+            weights += [attn.q_norm.weight, attn.k_norm.weight]
+            eps.update((attn.q_norm.eps, attn.k_norm.eps))
+        weights += [linears[1].kernel_weight, norms[1].weight]
+        weights += [linears[2].kernel_weight, linears[3].kernel_weight]
     if attn is None or len(eps) != 1 or rotary.head_dim != attn.head_dim:
         return None
     return DecoderStack(

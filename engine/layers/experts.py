@@ -54,15 +54,29 @@ class Experts(KernelLayer):
         expert_ids: torch.Tensor,  # [T, k]
         weights: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:  # [T, H]
-        out = torch.zeros_like(x)
+        t, k = expert_ids.shape
+        # one gather of the routed rows, grouped by expert (a stable sort keeps token order)
+        order = torch.argsort(expert_ids.flatten(), stable=True)  # [T*k] pair ids
+        rows = x[order // k]  # [T*k, H]
         counts = torch.bincount(expert_ids.flatten(), minlength=self.num_experts).tolist()
+        ys, start = torch.empty_like(rows), 0
         for e, count in enumerate(counts):
             if count == 0:
                 continue  # an expert no token chose this step costs nothing
-            tokens, slot = torch.where(expert_ids == e)
-            gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])  # [n_e, H]
-            out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(out.dtype))
+            seg = slice(start, start + count)
+            gate, up = F.linear(rows[seg], self.gate_up_proj[e]).chunk(2, dim=-1)
+            ys[seg] = F.linear(F.silu(gate) * up, self.down_proj[e])  # [n_e, H]
+            start += count
+        weighted = (ys * weights.flatten()[order, None]).to(x.dtype)
+        pairs = torch.empty_like(weighted)
+        pairs[order] = weighted  # back to [T*k] pair order
+        # each token's terms added in ascending expert order, one rounding per add: the sums a
+        # per-expert index_add_ (transformers' order) makes, without its slow scatter
+        by_expert = expert_ids.argsort(dim=-1, stable=True)  # [T, k]
+        pairs = pairs.view(t, k, -1).gather(1, by_expert[..., None].expand(-1, -1, x.shape[1]))
+        out = pairs[:, 0].clone() if k else torch.zeros_like(x)
+        for j in range(1, k):
+            out += pairs[:, j]
         return all_reduce(out)
 
     def load_shard(self, leaf: str, part: str | None, sl) -> torch.Tensor:

@@ -4,7 +4,10 @@
 // (engine/models/llama.py) calls them, with no Python in between: the Python glue between
 // kernels costs more than the call (bench/README.md, "Decode steps in one kernel call").
 // weights: six per layer, [input norm, qkv, o, post-attention norm, gate_up, down], the linears
-// packed by amx_pack_weight; caches: [k, v] per layer. Attention takes the cascade kernel when
+// packed by amx_pack_weight, or eight with Qwen3's per-head q/k RMSNorm weights after qkv
+// ([input norm, qkv, q norm, k norm, o, ...], normed over head_dim before RoPE, as the layers
+// do: the rms_norm kernel over contiguous [tokens * heads, head_dim] rows); caches: [k, v] per
+// layer. Attention takes the cascade kernel when
 // cascade_prefix_len > 0 (prefix_blocks, suffix_table, suffix_lens as TorchAttentionBackend
 // prepares them), else the decode kernel.
 // embeds is the residual stream and is overwritten; returns the final norm's output.
@@ -24,9 +27,12 @@ at::Tensor decode_layers(
     const at::Tensor& suffix_table, const at::Tensor& suffix_lens, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
+  const int64_t per_layer = layers > 0 ? static_cast<int64_t>(weights.size()) / layers : 6;
   TORCH_CHECK(caches.size() == static_cast<size_t>(2 * layers) &&
-                  weights.size() == static_cast<size_t>(6 * layers),
-              "six weights and two caches per layer");
+                  (per_layer == 6 || per_layer == 8) &&
+                  weights.size() == static_cast<size_t>(per_layer * layers),
+              "six (or eight, with q/k norms) weights and two caches per layer");
+  const bool qk_norm = per_layer == 8;
   TORCH_CHECK(embeds.dim() == 2 && embeds.is_contiguous() && embeds.size(0) <= 32,
               "embeds: [tokens <= 32, hidden], contiguous");
   const int64_t tokens = embeds.size(0), hidden = embeds.size(1);
@@ -35,7 +41,8 @@ at::Tensor decode_layers(
   const at::Tensor& residual = embeds;
   at::Tensor x = at::empty_like(embeds);
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = weights.data() + 6 * l;
+    const at::Tensor* w = weights.data() + per_layer * l;
+    const at::Tensor* w_out = w + (qk_norm ? 2 : 0);  // o, post norm, gate_up, down at 2..5
     const at::Tensor& k_cache = caches[2 * l];
     const at::Tensor& v_cache = caches[2 * l + 1];
     if (l == 0) {
@@ -46,8 +53,18 @@ at::Tensor decode_layers(
     const int64_t qkv_cols = q_size + 2 * kv_size;
     at::Tensor qkv = at::empty({tokens, qkv_cols}, opts);
     amx_linear(qkv, x, w[1]);
-    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
-    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    if (qk_norm) {
+      const at::Tensor q_rows = q.reshape({-1, head_dim}).contiguous();
+      const at::Tensor k_rows = k.reshape({-1, head_dim}).contiguous();
+      at::Tensor q_out = at::empty_like(q_rows);
+      at::Tensor k_out = at::empty_like(k_rows);
+      rms_norm(q_out, q_rows, w[2], eps);
+      rms_norm(k_out, k_rows, w[3], eps);
+      q = q_out.view({tokens, num_heads, head_dim});
+      k = k_out.view({tokens, num_kv_heads, head_dim});
+    }
     const at::Tensor v =
         qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
     rotary_embedding(positions, q, k, cos_sin);
@@ -60,14 +77,14 @@ at::Tensor decode_layers(
       paged_attention_decode(attn, q, k_cache, v_cache, block_table, seq_lens, scale);
     }
     x = at::empty({tokens, hidden}, opts);
-    amx_linear(x, attn.view({tokens, q_size}), w[2]);
-    fused_add_rms_norm(x, residual, w[3], eps);
-    at::Tensor gate_up = at::empty({tokens, w[4].size(0) * 16}, opts);
-    amx_linear(gate_up, x, w[4]);
+    amx_linear(x, attn.view({tokens, q_size}), w_out[2]);
+    fused_add_rms_norm(x, residual, w_out[3], eps);
+    at::Tensor gate_up = at::empty({tokens, w_out[4].size(0) * 16}, opts);
+    amx_linear(gate_up, x, w_out[4]);
     at::Tensor h = at::empty({tokens, gate_up.size(1) / 2}, opts);
     silu_and_mul(h, gate_up);
     x = at::empty({tokens, hidden}, opts);
-    amx_linear(x, h, w[5]);
+    amx_linear(x, h, w_out[5]);
   }
   fused_add_rms_norm(x, residual, final_norm, eps);
   return x;

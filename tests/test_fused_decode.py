@@ -1,0 +1,67 @@
+"""The fused decode step over Qwen3's per-head q/k norms: taken, and bit-identical to the layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu_ops import load_cpu_ops
+
+ops = load_cpu_ops()
+pytestmark = pytest.mark.skipif(
+    ops is None or not ops.amx_available(), reason="the fused decode step needs the AMX linears"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_model_families import build_family_dir
+
+    path = build_family_dir(tmp_path_factory.mktemp("qwen3-fused"), "qwen3")
+    weights = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    for name, w in weights.items():  # norms load as ones: make every q and k norm differ
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            weights[name] = torch.rand(w.shape, generator=gen).to(w.dtype) + 0.5
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_qwen3_decodes_fused_with_the_logprobs_of_the_layer_by_layer_path(
+    qwen3_dir, monkeypatch
+):
+    """Decode-only steps go through decode_layers with eight weights per layer; greedy tokens and
+    their logprobs (the logits, to the bit) equal those of the layer-by-layer path."""
+    import kernels.cpu_backend as cpu_backend
+    from engine import LLM, SamplingParams
+    from tests.conftest import make_prompts
+
+    prompts = make_prompts(5, seed=3, max_len=30)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    outs = {}
+    for name, max_rows in (("fused", cpu_backend.FUSED_DECODE_MAX_ROWS), ("layers", 0)):
+        monkeypatch.setattr(cpu_backend, "FUSED_DECODE_MAX_ROWS", max_rows)
+        llm = LLM(str(qwen3_dir), dtype="bfloat16")
+        fused = llm.engine.runner.fused_decode
+        num_layers = len(llm.engine.runner.model.model.layers)
+        assert fused is not None and len(fused.step.stack.layer_weights) == 8 * num_layers
+        calls = _count_calls(fused)
+        res = llm.generate(prompts, params, use_tqdm=False)
+        outs[name] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in res]
+        outs[name + "_calls"] = len(calls)
+    assert outs["fused_calls"] > 0 and outs["layers_calls"] == 0
+    assert outs["fused"] == outs["layers"]
+
+
+def _count_calls(fused) -> list:
+    """Appends to the returned list at each fused step the runner takes."""
+    calls, run = [], fused.run
+
+    def spy(*args):
+        calls.append(1)
+        return run(*args)
+
+    fused.run = spy
+    return calls
