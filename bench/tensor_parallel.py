@@ -174,8 +174,12 @@ def main() -> None:
         f"wire: the executor's own work per decode step ({args.num_requests} requests, "
         f"{args.wire_context} tokens of context each, one process): {wire_ms:.3f} ms"
     )
-    same = all(r["tokens"] == results[0]["tokens"] for r in results)
-    print(f"greedy tokens identical across the three: {same}")
+    # float32 sums in another order (threads, the all-reduce) can flip a near-tie of a random
+    # model's logits; the tests pin exact equality on models built without near-ties
+    ref = results[0]["tokens"]
+    for r in results[1:]:
+        same = sum(r["tokens"][k] == ref[k] for k in ref)
+        print(f"{r['backend']} N={r['n']}: {same}/{len(ref)} requests' greedy tokens equal uni's")
 
 
 if __name__ == "__main__":

@@ -144,3 +144,17 @@ def test_each_rank_reads_only_its_slice(tmp_path, monkeypatch):
     assert not missing and not unexpected
     assert model.model.layers[0].self_attn.num_heads == 2
     assert model.model.layers[0].self_attn.num_kv_heads == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL)")
+def test_two_gpus_over_nccl_match_one(prompts, tmp_path):
+    path = build_case_dir(tmp_path / "llama", "llama")
+    kw = dict(dtype="float32", device="cuda", enforce_eager=True)
+    one = _tokens(LLM(str(path), **kw), prompts)
+    two = LLM(str(path), tensor_parallel_size=2, **kw)
+    try:
+        assert two.engine.executor.device.type == "cuda"
+        assert _tokens(two, prompts) == one
+    finally:
+        two.engine.shutdown()
