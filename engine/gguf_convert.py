@@ -509,6 +509,7 @@ def save_tokenizer(gguf_path: Path, out_dir: Path, meta: Meta) -> None:
     if meta.get("tokenizer.ggml.pre") == "smollm":
         tokenizer.backend_tokenizer.pre_tokenizer = _smollm_pre_tokenizer()
     tokenizer.save_pretrained(out_dir)
+    _drop_tokens_beyond_file(out_dir, _num_file_tokens(gguf_path))
     flags = {
         flag: meta.get(f"tokenizer.ggml.{flag}")
         for flag in ("add_bos_token", "add_eos_token")
@@ -522,6 +523,33 @@ def save_tokenizer(gguf_path: Path, out_dir: Path, meta: Meta) -> None:
     )
     if tokenizer.chat_template:
         (out_dir / "chat_template.jinja").write_text(tokenizer.chat_template)
+
+
+def _num_file_tokens(gguf_path: Path) -> int:
+    import gguf
+
+    return len(gguf.GGUFReader(gguf_path).fields["tokenizer.ggml.tokens"].data)
+
+
+def _drop_tokens_beyond_file(out_dir: Path, num_tokens: int) -> None:
+    """Added tokens past the file's token list go: transformers' Gemma tokenizer class adds a
+    <mask> of its own when the file has none, and the embedding has no row for it."""
+    path = out_dir / "tokenizer.json"
+    data = json.loads(path.read_text())
+    added = data.get("added_tokens", [])
+    extra = {t["content"] for t in added if t["id"] >= num_tokens}
+    if not extra:
+        return
+    data["added_tokens"] = [t for t in added if t["id"] < num_tokens]
+    _write_json(path, data)
+    cfg_path = out_dir / "tokenizer_config.json"
+    config = json.loads(cfg_path.read_text())
+    decoder = config.get("added_tokens_decoder", {})
+    config["added_tokens_decoder"] = {i: t for i, t in decoder.items() if int(i) < num_tokens}
+    for key, value in list(config.items()):
+        if key.endswith("_token") and value in extra:
+            config.pop(key)
+    _write_json(cfg_path, config)
 
 
 def _set_special_token_insertion(path: Path, meta: Meta, flags: dict[str, bool]) -> None:

