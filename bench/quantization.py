@@ -46,10 +46,17 @@ def held_bytes(model) -> int:
             for name in ("large", "small", "amx"):
                 t = getattr(m.packed, name, None)
                 if isinstance(t, torch.Tensor):
-                    total += t.untyped_storage().nbytes()
+                    total += _tensor_bytes(t)
         elif isinstance(m, Linear) and getattr(m, "quant", None) is not None:
             total += m.quant.num_bytes()
     return total
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except NotImplementedError:  # oneDNN's opaque packing: its element count at its dtype
+        return t.numel() * t.element_size()
 
 
 def end_to_end(arms: dict[str, LLM], rounds: int) -> None:
@@ -65,6 +72,11 @@ def end_to_end(arms: dict[str, LLM], rounds: int) -> None:
             tpot[name].append((full - one) / 128)
             batch = [ids(rng, 256) for _ in range(8)]
             prefill[name].append(8 * 256 / timed(llm, batch, 1))
+            print(
+                f"round {r} {name}: {1e3 * tpot[name][-1]:.2f} ms/tok, "
+                f"prefill {prefill[name][-1]:.0f} tok/s",
+                flush=True,
+            )
     print(
         f"{'arm':6} {'linear weights MB':>18} {'held MB':>8} {'c=1 ms/tok':>11} "
         f"{'prefill tok/s':>14}"
@@ -122,7 +134,7 @@ def main() -> None:
         "int8": LLM(None, dtype="bfloat16", quantization="int8"),
     }
     end_to_end(arms, args.rounds)
-    gemv(arms["bf16"].engine.model_runner.model, ops, args.gemv_reps)
+    gemv(arms["bf16"].engine.runner.model, ops, args.gemv_reps)
 
 
 if __name__ == "__main__":

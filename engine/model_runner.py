@@ -15,7 +15,7 @@ from engine.cuda_graphs import DecodeCudaGraphs
 from engine.fused_decode import FusedDecode
 from engine.kv_cache_manager import cdiv
 from engine.layers import select_impls
-from engine.layers.quantization import mark_quantized
+from engine.layers.quantization import describe_quantized, mark_quantized
 from engine.logprobs import compute_prompt_logprobs
 from engine.models import check_model_config, get_model_class
 from engine.outputs import ModelRunnerOutput
@@ -59,6 +59,8 @@ def load_model(
     model = model.to(device=device, dtype=dtype).eval()
     mark_quantized(model, quantization)
     select_impls(model, load_cpu_ops() if device.type == "cpu" else None)
+    if quantization is not None:
+        logger.info("%s", describe_quantized(model))
     return model
 
 

@@ -18,6 +18,7 @@ from engine.layers.linear import Linear
 from engine.layers.quantization import (
     INT8_CPU,
     Int8Weights,
+    describe_quantized,
     linear_weight_bytes,
     mark_quantized,
     quantize_per_token,
@@ -134,6 +135,7 @@ def test_quantized_linears_drop_float_weights(tiny_model_dir):
     linears = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
     assert linears and all(m.impl == INT8_CPU and m.weight is None for m in linears)
     assert model.lm_head.impl != INT8_CPU  # embedding and lm_head stay in the model dtype
+    assert describe_quantized(model).startswith(f"int8: {len(linears)} of {len(linears)} ")
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     sizes = linear_weight_bytes(model)
     assert sizes["float"] == 0 and sizes["int8"] > 0
@@ -172,3 +174,35 @@ def test_cli_refuses_unknown_quantization_in_one_line():
     assert proc.returncode == 2
     error = [line for line in proc.stderr.splitlines() if "error" in line]
     assert len(error) == 1 and "--quantization" in error[0] and "'int8'" in error[0]
+
+
+# ---- the served default model against the bf16 path -----------------------------------------
+@pytest.mark.slow
+def test_default_model_int8_agrees_with_bf16():
+    """Greedy tokens and top-1 logprobs of int8 against bf16 on the default model, 9 prompts x 32
+    tokens. Measured (this machine, VNNI): the first token equal on 9 of 9 prompts, a third of
+    all tokens before the first divergence, top-1 logprobs within 0.80 while the contexts are
+    equal. The per-token activation rounding costs most of that: weights alone (int8 weights,
+    float activations) keep two thirds; bf16 itself against float32 keeps three quarters."""
+    from test_default_model import PROMPTS
+
+    n = 32
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
+    outs = {}
+    for quantization in (None, "int8"):
+        llm = LLM(None, dtype="bfloat16", quantization=quantization)
+        prompt_ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+        outs[quantization] = [
+            o.outputs[0] for o in llm.generate(prompt_ids, params, use_tqdm=False)
+        ]
+    first_equal, common, max_diff = 0, 0, 0.0
+    for ref, got in zip(outs[None], outs["int8"]):
+        first_equal += ref.token_ids[0] == got.token_ids[0]
+        p = 0
+        while p < n and ref.token_ids[p] == got.token_ids[p]:
+            max_diff = max(max_diff, abs(ref.logprobs[p].logprob - got.logprobs[p].logprob))
+            p += 1
+        common += p
+    assert first_equal >= len(PROMPTS) - 1
+    assert common >= 0.25 * n * len(PROMPTS)
+    assert max_diff < 1.0

@@ -139,6 +139,20 @@ def select_quantized(linear: nn.Module, ops) -> None:
     linear.forward = linear.quant.forward
 
 
+def describe_quantized(model: nn.Module) -> str:
+    """One start-up line: how many linears run int8, on which kernel, and their weight bytes."""
+    from engine.layers.linear import Linear
+
+    linears = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
+    quantized = [m for m in linears if getattr(m, "quant", None) is not None]
+    kernel = quantized[0].ops.int8_kernel() if quantized and quantized[0].ops else "torch"
+    mb = linear_weight_bytes(model)["int8"] / 2**20
+    return (
+        f"int8: {len(quantized)} of {len(linears)} decoder linears on the {kernel} kernel, "
+        f"{mb:.1f} MiB of weights; embedding and lm_head stay in the model dtype"
+    )
+
+
 def linear_weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of the decoder layers' linear weights as they are held now, by kind:
     int8 (Int8Weights.num_bytes) and float (weight and bias elements at their dtype; a packed
