@@ -206,3 +206,18 @@ def test_default_model_int8_agrees_with_bf16():
     assert first_equal >= len(PROMPTS) - 1
     assert common >= 0.25 * n * len(PROMPTS)
     assert max_diff < 1.0
+
+
+def test_yaml_config_refuses_unknown_quantization(tmp_path):
+    config = tmp_path / "q.yaml"
+    config.write_text("quantization: fp4\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "pagedserve: error: quantization must be one of ['int8'], got 'fp4'"
+    )
