@@ -8,6 +8,7 @@ prompt, 129 output tokens, minus the same prompt with 1 output token, over 128),
 tokens/s (8 prompts of 256 tokens, one output token each). Then the M=1 linears alone: each of
 the model's linear shapes through the bf16 packed linear and int8_linear, time per call and the
 weight bytes streamed per second (a memory-bound GEMV runs near the machine's bandwidth).
+--layered adds bf16 decoding layer by layer (no fused decode step), which is how int8 decodes.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--gemv-reps", type=int, default=2000)
+    p.add_argument("--layered", action="store_true", help="also bf16 without the fused decode")
     args = p.parse_args()
     ops = load_cpu_ops()
     print(f"int8 kernel: {ops.int8_kernel() if ops is not None else 'torch (no C++ kernels)'}")
@@ -133,6 +135,10 @@ def main() -> None:
         "bf16": LLM(None, dtype="bfloat16"),
         "int8": LLM(None, dtype="bfloat16", quantization="int8"),
     }
+    if args.layered:
+        # bf16 without the fused decode step, as int8 decodes: layer by layer from Python
+        arms["bf16-l"] = LLM(None, dtype="bfloat16")
+        arms["bf16-l"].engine.runner.fused_decode = None
     end_to_end(arms, args.rounds)
     gemv(arms["bf16"].engine.runner.model, ops, args.gemv_reps)
 
