@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _EXECUTORS = ("uni", "mp")
+QUANTIZATION_METHODS = ("int8",)  # --quantization (engine/layers/quantization.py)
 # Per-step token budget when none is given. CPU steps hold at most 512 tokens so prompts finish
 # one after another and wait less for their first token (throughput within noise); GPUs keep
 # vLLM's 2048. Measured in bench/README.md, "Per-step token budget on CPU".
@@ -26,6 +27,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     dtype: str = "auto"
+    quantization: str | None = None  # None: weights in dtype; "int8": W8A8 decoder linears
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
@@ -65,6 +67,14 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {list(QUANTIZATION_METHODS)}, "
+                f"got {self.quantization!r}"
+            )
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            # the int8 linears bind their own forward, without the row-parallel all-reduce
+            raise ValueError("quantization is not supported with tensor_parallel_size > 1 yet")
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}")
         self._check_parallel()

@@ -19,6 +19,7 @@ from engine.fused_decode import FusedDecode
 from engine.kv_cache_groups import KVCacheSpec, max_blocks_per_request, plan_kv_groups
 from engine.kv_cache_manager import cdiv
 from engine.layers import Attention, GroupedAttentionMetadata, select_impls
+from engine.layers.quantization import describe_quantized, mark_quantized
 from engine.logprobs import compute_prompt_logprobs
 from engine.models import check_model_config, get_model_class
 from engine.outputs import ModelRunnerOutput
@@ -39,13 +40,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_model(model_dir: Path, hf_config, backend, dtype, device) -> nn.Module:
+def load_model(
+    model_dir: Path, hf_config, backend, dtype, device, quantization: str | None = None
+) -> nn.Module:
     """Weights in, then every layer picks its implementation once: on CPU the C++ kernels (when
-    they build) and packed bf16 linears, elsewhere the torch oracles."""
+    they build) and packed bf16 linears, elsewhere the torch oracles; with a quantization the
+    decoder linears quantize (engine/layers/quantization.py) and drop their float weights."""
     model = get_model_class(hf_config)(hf_config, backend)
     load_checked(model, model_dir)  # ValueError naming the file and tensor that do not fit
     model = model.to(device=device, dtype=dtype).eval()
+    mark_quantized(model, quantization)
     select_impls(model, load_cpu_ops() if device.type == "cpu" else None)
+    if quantization is not None:
+        logger.info("%s", describe_quantized(model))
     return model
 
 
@@ -63,7 +70,9 @@ class ModelRunner:
             _set_cpu_threads()
         torch.manual_seed(config.seed)
         check_model_config(hf_config, config.max_model_len)  # one line, before any weight is read
-        self.model = load_model(model_dir, hf_config, self.backend, self.dtype, self.device)
+        self.model = load_model(
+            model_dir, hf_config, self.backend, self.dtype, self.device, config.quantization
+        )
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim  # this rank's heads

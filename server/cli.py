@@ -10,7 +10,7 @@ import sys
 
 import yaml
 
-from engine.config import EngineConfig
+from engine.config import QUANTIZATION_METHODS, EngineConfig
 from server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("pagedserve")
@@ -39,6 +39,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory-bytes", type=int)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--quantization",
+        choices=list(QUANTIZATION_METHODS),
+        help="int8: W8A8 decoder linears (per-channel weight, per-token activation scales)",
+    )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
     p.add_argument(

@@ -9,6 +9,7 @@ from torch import nn
 
 from engine.distributed import all_reduce, get_tp
 from engine.layers.base import CPU, NATIVE, KernelLayer
+from engine.layers.quantization import select_quantized
 from kernels.cpu_linear import PackedLinear, can_pack
 
 PACKED = "packed"  # oneDNN-packed weights without the C++ kernels (they did not load)
@@ -18,8 +19,11 @@ class Linear(KernelLayer):
     """y = x W^T + b with W [out, in], the parameter names of nn.Linear (weights load as is).
 
     On CPU in bf16 the weight is packed once at select() and the unpacked copy is dropped, so
-    only forward runs afterwards (forward_native needs the weight).
+    only forward runs afterwards (forward_native needs the weight). A Linear marked for a
+    quantization (engine/layers/quantization.py, mark_quantized) binds to its quantized weights.
     """
+
+    quantization: str | None = None  # "int8" once marked: select() quantizes instead of packing
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -38,6 +42,8 @@ class Linear(KernelLayer):
         return CPU if ops is not None else PACKED
 
     def select(self, ops) -> None:
+        if self.quantization is not None:
+            return select_quantized(self, ops)
         self.impl = self.choose(ops)
         self.ops = ops if self.impl == CPU else None
         if self.impl != NATIVE:

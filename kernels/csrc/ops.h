@@ -6,6 +6,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace pagedserve_cpu {
@@ -51,6 +53,13 @@ at::Tensor argmax_rows(const at::Tensor& x);
 bool amx_available();
 at::Tensor amx_pack_weight(const at::Tensor& w);
 void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed);
+
+// quant_linear.cpp
+void int8_linear(
+    const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+    const at::Tensor& w_scale, const at::Tensor& w_sum, const std::optional<at::Tensor>& bias);
+std::string int8_kernel();
+bool set_int8_portable(bool portable);
 
 // decode_layers.cpp
 at::Tensor decode_layers(
