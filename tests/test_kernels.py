@@ -15,7 +15,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from window_attention import POISON_BLOCKS, WINDOW_CASES, case_id, window_inputs  # noqa: E402
+from window_attention import (  # noqa: E402
+    POISON_BLOCKS,
+    WINDOW_CASES,
+    case_id,
+    ragged_meta,
+    window_inputs,
+)
 
 from kernels import default_block_size, get_attention_backend, resolve_backend_name  # noqa: E402
 from kernels.backend import AttentionMetadata  # noqa: E402
@@ -163,22 +169,6 @@ def test_batched_torch_decode_matches_per_sequence(case):
     )
     want = paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-
-
-def ragged_meta(block_table, query_lens, seq_lens) -> AttentionMetadata:
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    return AttentionMetadata(
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=block_table,
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=list(seq_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
 
 
 def test_mixed_batch_decode_rows_batched_match_per_sequence():
