@@ -7,15 +7,19 @@
 The server it starts gets a KV pool too small for its load (--num-gpu-blocks-override), so
 requests are preempted and recomputed throughout, and runs under tracemalloc: every
 --sample-every seconds the soak records the server's RSS and a heap snapshot (SIGUSR1 makes the
-server dump one). Reports requests served, failures (target 0), preemptions, p50/p99 latency,
-the RSS curve, the Python heap's biggest growers between the first and the last snapshot, and
-the KV free blocks at start and end (target: every block free once idle).
+server dump one); once idle after the load, SIGUSR2 makes it malloc_trim, and the RSS after
+that tells memory the allocator kept from memory still in use. Reports requests served,
+failures (target 0), preemptions, p50/p99 latency, the RSS curve, the Python heap's biggest
+growers between the first and the last snapshot, and the KV free blocks at start and end
+(target: every block free once idle).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import ctypes.util
 import importlib.util
 import json
 import os
@@ -52,7 +56,8 @@ def main() -> None:
 
 
 def traced_serve(heap_dir: Path, frames: int, serve_args: list[str]) -> None:
-    """pagedserve serve under tracemalloc; each SIGUSR1 dumps heap_dir/<n>.snap."""
+    """pagedserve serve under tracemalloc; each SIGUSR1 dumps heap_dir/<n>.snap, SIGUSR2 has
+    glibc hand its free memory back to the kernel (malloc_trim), to tell retained from live."""
     tracemalloc.start(frames)
     count = 0
 
@@ -62,6 +67,8 @@ def traced_serve(heap_dir: Path, frames: int, serve_args: list[str]) -> None:
         count += 1
 
     signal.signal(signal.SIGUSR1, dump)
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    signal.signal(signal.SIGUSR2, lambda _sig, _frame: libc.malloc_trim(0))
     from server.cli import main as serve_main
 
     serve_main(["serve", *serve_args])
@@ -82,6 +89,11 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--sample-every", type=float, default=30.0, help="seconds between samples")
     p.add_argument("--trace-frames", type=int, default=1, help="tracemalloc frames per block")
+    p.add_argument(
+        "--trim-every-sample",
+        action="store_true",
+        help="also record RSS after malloc_trim at every sample (the memory in use over time)",
+    )
     p.add_argument("--top", type=int, default=15, help="heap growers to report")
     p.add_argument("--abort-fraction", type=float, default=0.25)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -161,16 +173,21 @@ def gauges(text: str) -> dict[str, float]:
 class Sampler:
     """RSS and (for a started server) a heap snapshot every `every` seconds of load."""
 
-    def __init__(self, pid: int | None, heap_dir: Path | None, every: float) -> None:
-        self.pid, self.heap_dir, self.every = pid, heap_dir, every
+    def __init__(self, pid: int | None, heap_dir: Path | None, every: float, trim: bool) -> None:
+        self.pid, self.heap_dir, self.every, self.trim = pid, heap_dir, every, trim
         self.t0 = time.monotonic()
         self.curve: list[dict] = []
         self.num_snapshots = 0
 
     async def sample(self, tally: Tally) -> None:
         point = {"t_s": round(time.monotonic() - self.t0), "rss_mib": rss_mib(self.pid)}
-        self.curve.append({**point, "served": tally.served, "aborted": tally.aborted})
+        point |= {"served": tally.served, "aborted": tally.aborted}
+        self.curve.append(point)
         if self.heap_dir is not None and self.pid is not None:
+            if self.trim:  # RSS once glibc has returned its free pages: the memory in use
+                os.kill(self.pid, signal.SIGUSR2)
+                await asyncio.sleep(1)
+                point["rss_mib_after_malloc_trim"] = rss_mib(self.pid)
             os.kill(self.pid, signal.SIGUSR1)
             await self._wait_snapshot(self.num_snapshots)
             self.num_snapshots += 1
@@ -232,7 +249,7 @@ async def soak(url: str, args: argparse.Namespace, pid: int | None, heap_dir) ->
         start = {"rss_mib": rss_mib(pid), "kv": await kv_blocks(client)}
         preempted_before = gauges((await client.get("/metrics")).text).get("num_preemptions_total")
         tally, t_end = Tally(), time.monotonic() + args.minutes * 60
-        sampler = Sampler(pid, heap_dir, args.sample_every)
+        sampler = Sampler(pid, heap_dir, args.sample_every, args.trim_every_sample)
         await sampler.sample(tally)
         workers = [
             worker(client, url, random.Random(rng.random()), args, tally, t_end)
@@ -241,6 +258,10 @@ async def soak(url: str, args: argparse.Namespace, pid: int | None, heap_dir) ->
         await asyncio.gather(sampler.run(tally, t_end), *workers)
         end = {"rss_mib": rss_mib(pid), "kv": await kv_blocks(client)}
         await sampler.sample(tally)  # idle, after the load
+        if heap_dir is not None and pid is not None:  # what of the growth is free but retained
+            os.kill(pid, signal.SIGUSR2)
+            await asyncio.sleep(2)
+            end["rss_mib_after_malloc_trim"] = rss_mib(pid)
         preempted = gauges((await client.get("/metrics")).text).get("num_preemptions_total")
     lat = sorted(tally.latencies)
     pct = lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))], 3) if lat else None
