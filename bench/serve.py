@@ -4,6 +4,10 @@ Fixed-seed workloads, prompts sent as token-id lists so every server sees the sa
   std     64 requests, 256 random prompt tokens, 128 output tokens, <= 32 in flight
   prefix  64 requests sharing a 512-token prefix + 128 random tokens, 64 output tokens, <= 32
   mixed   ShareGPT-like long-tail lengths (log-normal), Poisson arrivals at a fixed rate
+  repeat  64 chat prompts asking to repeat a Python function (100-300 tokens, from the standard
+          library's sources) exactly; as many output tokens as the function has, <= 32 in flight.
+          The output repeats the prompt, the case n-gram speculation is for; the summary's
+          copied_share says how much of the output did (word 4-grams found in the prompt)
 
 Every request asks for ignore_eos and greedy decoding, and must come back with exactly the
 asked number of tokens (from the stream's usage chunk); anything else counts as a failure.
@@ -24,7 +28,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-WORKLOADS = ("std", "prefix", "mixed")
+WORKLOADS = ("std", "prefix", "mixed", "repeat")
 _MIN_TOKEN_ID = 100  # keeps clear of the special tokens at the start of the vocabulary
 
 
@@ -33,6 +37,7 @@ class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     arrival_offset: float = 0.0  # seconds after start; 0 for closed-loop workloads
+    source_text: str = ""  # repeat: what the output should copy
 
 
 @dataclass
@@ -50,7 +55,16 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     itls: list[float] = field(default_factory=list)
+    text: str = ""
     error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT): the decode rate one request
+        saw, whatever number of tokens each streamed chunk carried."""
+        if self.num_output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.num_output_tokens - 1)
 
 
 # ---- workloads -------------------------------------------------------------------------------
@@ -66,8 +80,12 @@ def build_workload(
     max_concurrency: int | None = None,
     request_rate: float | None = None,
     max_model_len: int = 2048,
+    model_dir: str | None = None,
 ) -> Workload:
     rng = np.random.default_rng(seed)
+    if name == "repeat":
+        reqs = _repeat_requests(rng, num_requests or 64, model_dir)
+        return Workload(name, reqs, max_concurrency or 32, request_rate or math.inf)
     if name == "std":
         n = num_requests or 64
         reqs = [BenchRequest(_random_ids(rng, 256, vocab_size), 128) for _ in range(n)]
@@ -82,6 +100,66 @@ def build_workload(
             rng, vocab_size, num_requests or 64, request_rate or 4.0, max_concurrency, max_model_len
         )
     raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
+
+
+# Standard-library modules whose functions the repeat workload asks the model to copy; the
+# sources are the running Python's, so every server in one run sees the same prompts.
+_REPEAT_MODULES = (
+    "textwrap", "json.encoder", "heapq", "bisect", "fractions", "statistics", "shlex", "difflib",
+    "calendar", "csv", "string", "ipaddress", "pprint", "colorsys", "html", "fnmatch", "glob",
+    "gettext",
+)  # fmt: skip
+_REPEAT_INSTRUCTION = "Repeat the following Python code exactly, with no other text:\n\n"
+
+
+def repeat_sources(tokenizer, min_tokens: int = 100, max_tokens: int = 300) -> list[str]:
+    import importlib
+    import inspect
+
+    sources = []
+    for module_name in _REPEAT_MODULES:
+        module = importlib.import_module(module_name)
+        for _, fn in inspect.getmembers(module, inspect.isfunction):
+            if fn.__module__ != module.__name__:
+                continue
+            try:
+                src = inspect.getsource(fn)
+            except (OSError, TypeError):
+                continue
+            if min_tokens <= len(tokenizer.encode(src, add_special_tokens=False)) <= max_tokens:
+                sources.append(src)
+    return sources
+
+
+def _repeat_requests(rng: np.random.Generator, n: int, model_dir: str | None) -> list:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir or _default_model_dir())
+    sources = repeat_sources(tokenizer)
+    picks = rng.permutation(len(sources))
+    reqs = []
+    for k in range(n):
+        src = sources[int(picks[k % len(picks)])]
+        messages = [{"role": "user", "content": _REPEAT_INSTRUCTION + src}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)  # the template has its specials
+        n_out = len(tokenizer.encode(src, add_special_tokens=False))
+        reqs.append(BenchRequest(list(ids), n_out, source_text=src))
+    return reqs
+
+
+def copied_share(output: str, source: str, n: int = 4) -> float:
+    """Share of the output's word n-grams that occur in the source (1.0: a pure copy)."""
+    out, src = output.split(), source.split()
+    grams = {tuple(src[i : i + n]) for i in range(len(src) - n + 1)}
+    outs = [tuple(out[i : i + n]) for i in range(len(out) - n + 1)]
+    return sum(g in grams for g in outs) / len(outs) if outs else 0.0
+
+
+def _default_model_dir() -> str:
+    from engine.model_loader import resolve_model
+
+    return str(resolve_model(None))
 
 
 def _mixed_workload(rng, vocab_size, n, rate, max_concurrency, max_model_len) -> Workload:
@@ -113,6 +191,7 @@ async def send_request(
     }
     start = time.perf_counter()
     chunk_times: list[float] = []
+    pieces: list[str] = []
     usage_tokens = None
     try:
         async with client.stream("POST", url, json=body) as resp:
@@ -127,11 +206,14 @@ async def send_request(
                     return RequestResult(ok=False, error=str(data["error"])[:200])
                 if data.get("choices"):
                     chunk_times.append(time.perf_counter())
+                    pieces.append(data["choices"][0].get("text") or "")
                 if data.get("usage"):
                     usage_tokens = data["usage"]["completion_tokens"]
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         return RequestResult(ok=False, error=f"{type(e).__name__}: {e}"[:200])
-    return _finish_result(req, start, chunk_times, usage_tokens)
+    result = _finish_result(req, start, chunk_times, usage_tokens)
+    result.text = "".join(pieces)
+    return result
 
 
 def _finish_result(req, start, chunk_times, usage_tokens) -> RequestResult:
@@ -188,7 +270,8 @@ def summarize(label: str, wl: Workload, results: list[RequestResult], duration: 
     out_tokens = sum(r.num_output_tokens for r in ok)
     in_tokens = sum(len(q.prompt_token_ids) for q, r in zip(wl.requests, results) if r.ok)
     errors = sorted({r.error for r in results if not r.ok})
-    return {
+    copied = [copied_share(r.text, q.source_text) for q, r in zip(wl.requests, results) if r.ok]
+    summary = {
         "label": label,
         "workload": wl.name,
         "num_requests": len(results),
@@ -205,7 +288,12 @@ def summarize(label: str, wl: Workload, results: list[RequestResult], duration: 
         "ttft_ms": _percentiles([r.ttft for r in ok]),
         "itl_ms": _percentiles([x for r in ok for x in r.itls]),
         "e2el_ms": _percentiles([r.latency for r in ok]),
+        "tpot_ms": _percentiles([t for r in ok if (t := r.tpot) is not None]),
     }
+    if wl.name == "repeat" and copied:
+        summary["copied_share"] = float(np.mean(copied))
+        summary["sample_output"] = next(r.text for r in results if r.ok)[:400]
+    return summary
 
 
 def print_summary(s: dict) -> None:
@@ -215,7 +303,9 @@ def print_summary(s: dict) -> None:
         f"{s['output_throughput']:.1f} out tok/s, {s['request_throughput']:.2f} req/s, "
         f"TTFT median {s['ttft_ms']['median']:.0f} ms p90 {s['ttft_ms']['p90']:.0f} "
         f"p99 {s['ttft_ms']['p99']:.0f}, ITL median {s['itl_ms']['median']:.1f} ms "
-        f"p90 {s['itl_ms']['p90']:.1f} p99 {s['itl_ms']['p99']:.1f}"
+        f"p90 {s['itl_ms']['p90']:.1f} p99 {s['itl_ms']['p99']:.1f}, "
+        f"TPOT median {s['tpot_ms']['median']:.1f} ms p90 {s['tpot_ms']['p90']:.1f}"
+        + (f", copied {s['copied_share']:.2f}" if "copied_share" in s else "")
     )
     for e in s["errors"]:
         print(f"  error: {e}")
@@ -223,9 +313,7 @@ def print_summary(s: dict) -> None:
 
 def _vocab_size(model_dir: str | None) -> int:
     if model_dir is None:
-        from engine.model_loader import resolve_model
-
-        model_dir = str(resolve_model(None))
+        model_dir = _default_model_dir()
     return json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
 
 
@@ -266,6 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.max_concurrency,
         args.request_rate,
         args.max_model_len,
+        args.model_dir,
     )
     model = args.model or asyncio.run(_served_model(args.base_url))
     if not args.no_warmup:
