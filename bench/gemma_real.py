@@ -147,8 +147,8 @@ print("VLLM_RESULT " + json.dumps({"times": times, "tokens": tokens}))
 def run_vllm(venv: Path, cfg: dict) -> tuple[dict | None, str]:
     """(result, "") or (None, the one-line reason vLLM gave)."""
     python = venv / "bin" / "python"
-    if not python.exists():
-        return None, f"{venv} has no python (bench/install_vllm_cpu.sh installs it)"
+    if not python.exists() or not (venv / ".done").exists():
+        return None, f"{venv} holds no finished install (bench/install_vllm_cpu.sh makes one)"
     # as bench/peers.sh starts it: tcmalloc and the venv's OpenMP preloaded, threads bound
     env = dict(
         os.environ,
