@@ -99,6 +99,9 @@ class BlockTableCopies:
     def __init__(self) -> None:
         self._copies: dict[tuple, array] = {}
         self._num_skipped: dict[tuple, int] = {}
+        # the copy last handed out per table: snapshots never write to it, so an unchanged
+        # table (most of them between two captures) is handed out again without a copy
+        self._handed: dict[tuple, array] = {}
 
     def copy(
         self,
@@ -116,7 +119,8 @@ class BlockTableCopies:
         arr = self._copies.get(key)
         if arr is None:
             arr = self._copies[key] = array("i")
-        if len(live) > len(arr):
+        changed = len(live) > len(arr)
+        if changed:
             arr.extend(live[len(arr) :])
         if blocks is not None:
             done = end = self._num_skipped.get(key, 0)
@@ -125,12 +129,17 @@ class BlockTableCopies:
             if end > done:
                 arr[done:end] = array("i", [SKIPPED_BLOCK_ID]) * (end - done)
                 self._num_skipped[key] = end
-        return arr[:]
+                changed = True
+        handed = self._handed.get(key)
+        if changed or handed is None:
+            handed = self._handed[key] = arr[:]
+        return handed
 
     def retain(self, keys: set[tuple[str, int]]) -> None:
         for key in [k for k in self._copies if k[:2] not in keys]:
             del self._copies[key]
             self._num_skipped.pop(key, None)
+            self._handed.pop(key, None)
 
 
 def take_snapshot(
