@@ -106,8 +106,19 @@ class KVGroup:
     id table), so positions never shift.
     """
 
-    def __init__(self, index: int, window: int, block_size: int, pool: BlockPool) -> None:
+    def __init__(
+        self,
+        index: int,
+        window: int,
+        block_size: int,
+        pool: BlockPool,
+        hash_groups: bytearray | None = None,
+    ) -> None:
         self.index, self.window, self.block_size, self.pool = index, window, block_size, pool
+        # Per block: the group whose prefix-cache key it was last cached under (shared by all
+        # groups of a pool; read where the pool's hash tag is set). For the KV view only.
+        self.hash_groups = bytearray(pool.num_blocks) if hash_groups is None else hash_groups
+        self.num_window_freed_blocks_total = 0  # blocks returned as they slid out of the window
         # Group 0 keys blocks by the bare chained hash (as before groups); others append their
         # index, so each group's copy of the same tokens is its own cache entry.
         self.key_suffix = b"" if index == 0 else b"g" + index.to_bytes(2, "little")
@@ -175,6 +186,7 @@ class KVGroup:
             key = self.key(hashes[i])
             if key not in cached:  # same content computed twice: keep the first copy
                 self.pool.cache_block(block, key)
+                self.hash_groups[block.block_id] = self.index
         self.num_cached_blocks[request_id] = num_full
 
     def free(self, request_id: str) -> None:
@@ -244,6 +256,7 @@ class SlidingWindowGroup(KVGroup):
             i -= 1
         if freed:
             self.pool.free_blocks(reversed(freed))  # oldest first: evicted before newer ones
+            self.num_window_freed_blocks_total += len(freed)
 
 
 
@@ -252,7 +265,8 @@ def make_groups(
 ) -> list[KVGroup]:
     make: Callable[..., KVGroup]
     groups = []
+    hash_groups = bytearray(pool.num_blocks)
     for index, window in enumerate(spec.windows):
         make = SlidingWindowGroup if window else KVGroup
-        groups.append(make(index, window, block_size, pool))
+        groups.append(make(index, window, block_size, pool, hash_groups))
     return groups

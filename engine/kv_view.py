@@ -14,6 +14,12 @@ and without a subscriber.
 
 Captures happen only while someone subscribes, at most `max_updates_per_s` times a second; a
 change the rate held back is captured when the engine goes idle (`idle_timeout`).
+
+KV cache groups (engine/kv_cache_groups.py): each request has one table per group. A copy
+holds SKIPPED_BLOCK_ID where the engine's table has a placeholder (a sliding group's block
+that slid out of the window and went back to the pool), so readers never mistake it for
+block 0. Placeholders are a leading run of a table, so each copy only scans from where the
+previous capture's run ended.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from engine.scheduler import Scheduler
 
 MAX_UPDATES_PER_S = 10.0
 MAX_WAITING_LISTED = 64  # a snapshot names the head of the waiting queue, not all of it
+SKIPPED_BLOCK_ID = -1  # a table entry whose block slid out of the window (not held)
 
 
 class RequestBlocks(NamedTuple):  # a tuple: built 256 times per capture, cheaply
@@ -42,6 +49,12 @@ class RequestBlocks(NamedTuple):  # a tuple: built 256 times per capture, cheapl
     num_prompt_tokens: int
     num_cached_tokens: int  # prefix-cache hit when it was first scheduled
     num_preemptions: int
+    # One table per KV cache group, block_tables[0] is block_table; () with a single group.
+    block_tables: tuple[array, ...] = ()
+
+    @property
+    def tables(self) -> tuple[array, ...]:
+        return self.block_tables or (self.block_table,)
 
 
 @dataclass(frozen=True)
@@ -62,6 +75,9 @@ class KVSnapshot:
     num_evictions_total: int
     prefix_cache_queries_total: int  # tokens looked up
     prefix_cache_hits_total: int  # tokens found
+    group_windows: tuple[int, ...] = (0,)  # per KV cache group: 0 full attention, else W
+    hash_groups: bytes = b""  # per block: the group of its prefix-cache hash; b"": all group 0
+    num_window_freed_blocks_total: tuple[int, ...] = ()  # per group, sliding groups only > 0
 
 
 @dataclass
@@ -75,26 +91,55 @@ class BlockTableCopies:
 
     Copying a list of Python ints touches every int object (its ref count), which is what a
     capture of 100k held blocks would spend its time on. Tables only grow while a request
-    runs, so each capture converts just the new tail and hands the snapshot a memcpy.
+    runs, so each capture converts just the new tail and hands the snapshot a memcpy. A sliding
+    group's table also turns its leading entries into placeholders as the window moves: the
+    copy marks them SKIPPED_BLOCK_ID, scanning only past the run it marked last time.
     """
 
     def __init__(self) -> None:
-        self._copies: dict[tuple[str, int], array] = {}
+        self._copies: dict[tuple, array] = {}
+        self._num_skipped: dict[tuple, int] = {}
+        # the copy last handed out per table: snapshots never write to it, so an unchanged
+        # table (most of them between two captures) is handed out again without a copy
+        self._handed: dict[tuple, array] = {}
 
-    def copy(self, request_id: str, num_preemptions: int, live: list[int]) -> array:
+    def copy(
+        self,
+        request_id: str,
+        num_preemptions: int,
+        live: list[int],
+        group: int = 0,
+        blocks: list | None = None,
+    ) -> array:
         """A table changes other than by appending only when it is freed (preemption, which
-        counts in num_preemptions, or the end), so (id, num_preemptions) names one history."""
-        key = (request_id, num_preemptions)
+        counts in num_preemptions, or the end) or, given `blocks` (the group's blocks, None
+        where slid out), where its leading entries slide out; (id, num_preemptions, group)
+        names one history."""
+        key = (request_id, num_preemptions) if group == 0 else (request_id, num_preemptions, group)
         arr = self._copies.get(key)
         if arr is None:
             arr = self._copies[key] = array("i")
-        if len(live) > len(arr):
+        changed = len(live) > len(arr)
+        if changed:
             arr.extend(live[len(arr) :])
-        return arr[:]
+        if blocks is not None:
+            done = end = self._num_skipped.get(key, 0)
+            while end < len(blocks) and blocks[end] is None:
+                end += 1
+            if end > done:
+                arr[done:end] = array("i", [SKIPPED_BLOCK_ID]) * (end - done)
+                self._num_skipped[key] = end
+                changed = True
+        handed = self._handed.get(key)
+        if changed or handed is None:
+            handed = self._handed[key] = arr[:]
+        return handed
 
     def retain(self, keys: set[tuple[str, int]]) -> None:
-        for key in [k for k in self._copies if k not in keys]:
+        for key in [k for k in self._copies if k[:2] not in keys]:
             del self._copies[key]
+            self._num_skipped.pop(key, None)
+            self._handed.pop(key, None)
 
 
 def take_snapshot(
@@ -103,32 +148,23 @@ def take_snapshot(
     totals: _Totals | None = None,
     tables: BlockTableCopies | None = None,
 ) -> KVSnapshot:
-    """Engine thread only, between steps: O(running requests) plus the block ids added since
-    the previous capture with the same `tables`, and one memcpy of the hash tags."""
+    """Engine thread only, between steps: O(running requests x groups) plus the block ids added
+    or slid out since the previous capture with the same `tables`, and a memcpy or two."""
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
-    get_block_ids = kv.get_block_ids
     tables = tables or BlockTableCopies()
-    copy = tables.copy
-    requests = [
-        RequestBlocks(
-            r.request_id,
-            copy(r.request_id, r.num_preemptions, get_block_ids(r.request_id)),
-            r.num_computed_tokens,
-            r.num_tokens,
-            r.num_prompt_tokens,
-            max(r.num_cached_tokens, 0),
-            r.num_preemptions,
-        )
-        for r in scheduler.running
-    ]
+    groups = kv.groups
+    requests = _hybrid_requests(scheduler, tables) if len(groups) > 1 else _requests(
+        scheduler, tables
+    )
     waiting = [
         (r.request_id, r.num_preemptions)
         for r in itertools.islice(scheduler.waiting, MAX_WAITING_LISTED)
     ]
-    if len(requests) != len(tables._copies):
+    if len(requests) * len(groups) != len(tables._copies):
         tables.retain({(r.request_id, r.num_preemptions) for r in requests})
     totals = totals or _Totals()
+    hybrid = kv.is_hybrid
     return KVSnapshot(
         seq=seq,
         time=time.time(),
@@ -144,7 +180,70 @@ def take_snapshot(
         num_evictions_total=pool.num_evictions_total,
         prefix_cache_queries_total=totals.prefix_cache_queries,
         prefix_cache_hits_total=totals.prefix_cache_hits,
+        group_windows=tuple(g.window for g in groups),
+        hash_groups=bytes(groups[0].hash_groups) if len(groups) > 1 else b"",
+        num_window_freed_blocks_total=(
+            tuple(g.num_window_freed_blocks_total for g in groups) if hybrid else ()
+        ),
     )
+
+
+def _requests(scheduler: Scheduler, tables: BlockTableCopies) -> list[RequestBlocks]:
+    """One group: the table copy alone (its placeholders marked when that group slides)."""
+    kv = scheduler.kv_cache_manager
+    get_block_ids, copy = kv.get_block_ids, tables.copy
+    sliding = kv.groups[0].window > 0
+    to_blocks = kv.groups[0].req_to_blocks
+    return [
+        RequestBlocks(
+            r.request_id,
+            copy(
+                r.request_id,
+                r.num_preemptions,
+                get_block_ids(r.request_id),
+                0,
+                to_blocks.get(r.request_id, ()) if sliding else None,
+            ),
+            r.num_computed_tokens,
+            r.num_tokens,
+            r.num_prompt_tokens,
+            max(r.num_cached_tokens, 0),
+            r.num_preemptions,
+        )
+        for r in scheduler.running
+    ]
+
+
+def _hybrid_requests(scheduler: Scheduler, tables: BlockTableCopies) -> list[RequestBlocks]:
+    """Several groups: one copy per group, sliding ones with their placeholders marked."""
+    groups = scheduler.kv_cache_manager.groups
+    copy = tables.copy
+    out = []
+    for r in scheduler.running:
+        rid, num_preemptions = r.request_id, r.num_preemptions
+        per_group = tuple(
+            copy(
+                rid,
+                num_preemptions,
+                g.req_to_block_ids.get(rid, ()),
+                g.index,
+                g.req_to_blocks.get(rid, ()) if g.window else None,
+            )
+            for g in groups
+        )
+        out.append(
+            RequestBlocks(
+                rid,
+                per_group[0],
+                r.num_computed_tokens,
+                r.num_tokens,
+                r.num_prompt_tokens,
+                max(r.num_cached_tokens, 0),
+                num_preemptions,
+                per_group,
+            )
+        )
+    return out
 
 
 @dataclass

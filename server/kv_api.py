@@ -10,6 +10,10 @@ is one byte per physical block, base64-encoded:
 The first stream event (`snapshot`) carries every block; later ones (`update`) carry either
 the blocks whose code changed as flat [block_id, code, ...] pairs or, when many changed, all
 of them again, plus the requests, counters and the events since the previous update.
+
+KV cache groups: a request has one block table per group (`groups`), `block_table` is group
+0's. An entry of -1 is a block that slid out of a sliding group's window and went back to the
+pool; ref counts and occupancy count real blocks only. `kv_cache_groups` describes each group.
 """
 
 from __future__ import annotations
@@ -21,29 +25,55 @@ import time
 from collections.abc import AsyncIterator
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from engine.kv_view import KVSnapshot, KVView
+from server.serving_errors import APIError
 
 KEEPALIVE_S = 15.0
 MAX_EVENT_BLOCK_IDS = 256  # an event lists at most this many block ids
 FULL_UPDATE_FRACTION = 8  # more than 1/8 of the blocks changed: send them all again
 
 
-def ref_counts(snap: KVSnapshot) -> np.ndarray:
-    """Each block's ref count: how many running requests' block tables hold it."""
-    tables = [np.asarray(r.block_table, dtype=np.int64) for r in snap.requests]
-    if not any(len(t) for t in tables):
-        return np.zeros(snap.num_blocks, dtype=np.int32)
-    ids = np.concatenate(tables)
-    return np.bincount(ids, minlength=snap.num_blocks).astype(np.int32)
+def group_ref_counts(snap: KVSnapshot) -> np.ndarray:
+    """[num_groups, num_blocks]: how many running requests' tables of each group hold a block
+    (placeholders of blocks behind a window excluded)."""
+    out = np.zeros((len(snap.group_windows), snap.num_blocks), dtype=np.int32)
+    for g in range(len(snap.group_windows)):
+        tables = [np.asarray(r.tables[g], dtype=np.int64) for r in snap.requests]
+        ids = np.concatenate(tables) if tables else np.zeros(0, dtype=np.int64)
+        ids = ids[ids >= 0]
+        if len(ids):
+            out[g] = np.bincount(ids, minlength=snap.num_blocks)
+    return out
+
+
+def ref_counts(snap: KVSnapshot, per_group: np.ndarray | None = None) -> np.ndarray:
+    """Each block's ref count: how many running (request, group) tables hold it."""
+    per_group = group_ref_counts(snap) if per_group is None else per_group
+    return per_group.sum(axis=0, dtype=np.int32)
 
 
 def block_codes(snap: KVSnapshot, ref: np.ndarray | None = None) -> np.ndarray:
     ref = ref_counts(snap) if ref is None else ref
     hashed = (np.frombuffer(snap.hash_tags, dtype=np.uint8) != 0).astype(np.uint8)
     return np.minimum(ref, 127).astype(np.uint8) | (hashed << 7)
+
+
+def hash_groups(snap: KVSnapshot) -> np.ndarray:
+    """Per block: the group whose prefix-cache entry it holds, -1 without one."""
+    hashed = np.frombuffer(snap.hash_tags, dtype=np.uint8) != 0
+    groups = np.zeros(snap.num_blocks, dtype=np.int16)
+    if snap.hash_groups:
+        groups[:] = np.frombuffer(snap.hash_groups, dtype=np.uint8)
+    groups[~hashed] = -1
+    return groups
+
+
+def num_skipped(table) -> int:
+    """Leading entries of a table that slid out of the window (they are a leading run)."""
+    return int(np.count_nonzero(np.asarray(table) < 0))
 
 
 def counters(snap: KVSnapshot, ref: np.ndarray) -> dict:
@@ -60,50 +90,94 @@ def counters(snap: KVSnapshot, ref: np.ndarray) -> dict:
         "num_waiting": snap.num_waiting,
         "num_preemptions_total": snap.num_preemptions_total,
         "num_evictions_total": snap.num_evictions_total,
+        "num_window_freed_blocks_total": sum(snap.num_window_freed_blocks_total),
         "prefix_cache_queries_total": queries,
         "prefix_cache_hits_total": hits,
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
     }
 
 
-def _requests(snap: KVSnapshot) -> list[dict]:
+def kv_cache_groups(snap: KVSnapshot, per_group: np.ndarray, ref: np.ndarray) -> list[dict]:
+    """Each group: its kind and window, the blocks it holds, its prefix-cache entries."""
+    num_groups = len(snap.group_windows)
+    hgroups = hash_groups(snap)
+    hashed = hgroups >= 0
+    num_hashed = np.bincount(hgroups[hashed], minlength=num_groups)
+    num_cached = np.bincount(hgroups[hashed & (ref == 0)], minlength=num_groups)
+    freed = snap.num_window_freed_blocks_total or (0,) * num_groups
     return [
         {
-            "request_id": r.request_id,
-            "block_table": np.asarray(r.block_table).tolist(),
-            "num_computed_tokens": r.num_computed_tokens,
-            "num_tokens": r.num_tokens,
-            "num_prompt_tokens": r.num_prompt_tokens,
-            "num_cached_tokens": r.num_cached_tokens,
-            "num_preemptions": r.num_preemptions,
+            "group": g,
+            "kind": "sliding" if window else "full",
+            "window": window,
+            "num_held_blocks": int(np.count_nonzero(per_group[g])),
+            "num_skipped_blocks": sum(num_skipped(r.tables[g]) for r in snap.requests),
+            "num_hashed_blocks": int(num_hashed[g]),
+            "num_cached_blocks": int(num_cached[g]),
+            "num_window_freed_blocks_total": freed[g],
         }
-        for r in snap.requests
+        for g, window in enumerate(snap.group_windows)
     ]
 
 
-def _header(snap: KVSnapshot, ref: np.ndarray) -> dict:
+def _requests(snap: KVSnapshot, group: int | None = None) -> list[dict]:
+    shown = range(len(snap.group_windows)) if group is None else (group,)
+    out = []
+    for r in snap.requests:
+        tables = r.tables
+        groups = []
+        for g in shown:
+            table = np.asarray(tables[g])
+            groups.append(
+                {
+                    "group": g,
+                    "block_table": table.tolist(),
+                    "num_skipped_blocks": int(np.count_nonzero(table < 0)),
+                }
+            )
+        out.append(
+            {
+                "request_id": r.request_id,
+                "block_table": np.asarray(r.block_table).tolist(),
+                "num_computed_tokens": r.num_computed_tokens,
+                "num_tokens": r.num_tokens,
+                "num_prompt_tokens": r.num_prompt_tokens,
+                "num_cached_tokens": r.num_cached_tokens,
+                "num_preemptions": r.num_preemptions,
+                "groups": groups,
+            }
+        )
+    return out
+
+
+def _header(
+    snap: KVSnapshot, per_group: np.ndarray, ref: np.ndarray, group: int | None = None
+) -> dict:
     return {
         "seq": snap.seq,
         "time": snap.time,
         "num_blocks": snap.num_blocks,
         "block_size": snap.block_size,
         "counters": counters(snap, ref),
-        "requests": _requests(snap),
+        "kv_cache_groups": kv_cache_groups(snap, per_group, ref),
+        "requests": _requests(snap, group),
         "waiting": [{"request_id": rid, "num_preemptions": n} for rid, n in snap.waiting],
     }
 
 
-def snapshot_payload(snap: KVSnapshot) -> dict:
+def snapshot_payload(snap: KVSnapshot, group: int | None = None) -> dict:
     """GET /kv/snapshot: plain lists, one entry per physical block."""
-    ref = ref_counts(snap)
-    body = _header(snap, ref)
+    per_group = group_ref_counts(snap)
+    ref = ref_counts(snap, per_group)
+    body = _header(snap, per_group, ref, group)
     body["ref_cnt"] = ref.tolist()
     body["hashed"] = [int(t != 0) for t in snap.hash_tags]
+    body["hash_group"] = hash_groups(snap).tolist()
     return body
 
 
 def events_between(prev: KVSnapshot, cur: KVSnapshot) -> list[dict]:
-    """Preemptions, prefix-cache hits and evictions since the previous snapshot."""
+    """Preemptions, prefix-cache hits, evictions and window frees since the previous snapshot."""
     events = []
     prev_running = {r.request_id for r in prev.requests}
     waiting_ids = {rid for rid, _ in cur.waiting}
@@ -112,7 +186,8 @@ def events_between(prev: KVSnapshot, cur: KVSnapshot) -> list[dict]:
     for r in cur.requests:
         if r.request_id in prev_running or r.num_cached_tokens <= 0:
             continue
-        hit = np.asarray(r.block_table[: r.num_cached_tokens // cur.block_size]).tolist()
+        num_hit = r.num_cached_tokens // cur.block_size
+        hit = [b for t in r.tables for b in np.asarray(t[:num_hit]).tolist() if b >= 0]
         events.append(
             {
                 "type": "prefix_hit",
@@ -130,6 +205,9 @@ def events_between(prev: KVSnapshot, cur: KVSnapshot) -> list[dict]:
         lost = np.flatnonzero((prev_tags != 0) & (tags != prev_tags))
         ids = lost[:MAX_EVENT_BLOCK_IDS].tolist()
         events.append({"type": "eviction", "num_blocks": num_evicted, "block_ids": ids})
+    window_free = _window_free(prev, cur)
+    if window_free:
+        events.append(window_free)
     extra = (cur.num_preemptions_total - prev.num_preemptions_total) - sum(
         e["type"] == "preemption" for e in events
     )
@@ -138,17 +216,44 @@ def events_between(prev: KVSnapshot, cur: KVSnapshot) -> list[dict]:
     return events
 
 
+def _window_free(prev: KVSnapshot, cur: KVSnapshot) -> dict | None:
+    """Blocks sliding groups returned to the pool: the count is exact (the engine's counter),
+    the ids are those both snapshots saw in a running request's table."""
+    before, after = prev.num_window_freed_blocks_total, cur.num_window_freed_blocks_total
+    if not after or len(before) != len(after) or sum(after) == sum(before):
+        return None
+    per_group = [a - b for a, b in zip(after, before)]
+    prev_tables = {(r.request_id, r.num_preemptions): r.tables for r in prev.requests}
+    ids: list[int] = []
+    for r in cur.requests:
+        old = prev_tables.get((r.request_id, r.num_preemptions))
+        if old is None:
+            continue
+        for g, window in enumerate(cur.group_windows):
+            if window and len(ids) < MAX_EVENT_BLOCK_IDS:
+                start, end = num_skipped(old[g]), min(num_skipped(r.tables[g]), len(old[g]))
+                ids += np.asarray(old[g][start:end]).tolist()
+    return {
+        "type": "window_free",
+        "num_blocks": sum(per_group),
+        "num_blocks_per_group": per_group,
+        "block_ids": ids[:MAX_EVENT_BLOCK_IDS],
+    }
+
+
 class StreamEncoder:
     """Turns successive snapshots into one client's SSE events (full first, then changes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: int | None = None) -> None:
+        self.group = group  # only this group's tables in `requests[].groups` (None: all)
         self.prev: KVSnapshot | None = None
         self.prev_codes: np.ndarray | None = None
 
     def encode(self, snap: KVSnapshot) -> str:
-        ref = ref_counts(snap)
+        per_group = group_ref_counts(snap)
+        ref = ref_counts(snap, per_group)
         codes = block_codes(snap, ref)
-        body = _header(snap, ref)
+        body = _header(snap, per_group, ref, self.group)
         prev, prev_codes = self.prev, self.prev_codes
         if prev is None or prev.num_blocks != snap.num_blocks:
             kind = "snapshot"
@@ -203,9 +308,11 @@ async def next_snapshot(view: KVView, timeout: float = 10.0) -> KVSnapshot:
     return snap
 
 
-async def stream_events(view: KVView, is_draining) -> AsyncIterator[str]:
+async def stream_events(
+    view: KVView, is_draining, group: int | None = None
+) -> AsyncIterator[str]:
     latest = _Latest(asyncio.get_running_loop())
-    encoder = StreamEncoder()
+    encoder = StreamEncoder(group)
     token = view.subscribe(latest.offer)
     try:
         yield "retry: 1000\n\n"
@@ -223,16 +330,42 @@ async def stream_events(view: KVView, is_draining) -> AsyncIterator[str]:
         view.unsubscribe(token)
 
 
+GROUP_QUERY = Query(
+    None,
+    description="Only this KV cache group's block tables in `requests[].groups` (0-based; "
+    "default: every group). `block_table` is always group 0's.",
+)
+
+
+def parse_group(view: KVView, group: str | None) -> int | None:
+    """The `group` query parameter: None, or a group index of the served model (else 400)."""
+    if group is None:
+        return None
+    num_groups = view.scheduler.kv_cache_manager.num_groups
+    try:
+        index = int(group)
+    except ValueError:
+        index = -1
+    if not 0 <= index < num_groups:
+        msg = f"group must be an integer from 0 to {num_groups - 1} (this model has "
+        msg += f"{num_groups} KV cache group{'s' if num_groups > 1 else ''})"
+        raise APIError(400, msg, param="group")
+    return index
+
+
 def build_kv_router(view: KVView) -> APIRouter:
     router = APIRouter(tags=["kv cache"])
 
     @router.get("/kv/snapshot", summary="The paged KV cache now: blocks, ref counts, tables")
-    async def kv_snapshot() -> dict:
-        """Every physical block's `ref_cnt` and `hashed` flag (1: holds a prefix-cache hash),
-        each running request's `block_table` (logical block i -> physical block) and
-        `num_computed_tokens`, the head of the waiting queue and the counters."""
+    async def kv_snapshot(group: str | None = GROUP_QUERY) -> dict:
+        """Every physical block's `ref_cnt`, `hashed` flag (1: holds a prefix-cache hash) and
+        `hash_group`, each running request's `block_table` (logical block i -> physical block,
+        group 0) and its table per KV cache group in `groups` (-1: slid out of the window),
+        `num_computed_tokens`, `kv_cache_groups`, the head of the waiting queue and the
+        counters."""
+        index = parse_group(view, group)
         snap = await next_snapshot(view)
-        return await asyncio.to_thread(snapshot_payload, snap)
+        return await asyncio.to_thread(snapshot_payload, snap, index)
 
     @router.get(
         "/kv/stream",
@@ -240,14 +373,18 @@ def build_kv_router(view: KVView) -> APIRouter:
         response_class=StreamingResponse,
         responses={200: {"content": {"text/event-stream": {}}}},
     )
-    async def kv_stream(request: Request) -> StreamingResponse:
+    async def kv_stream(request: Request, group: str | None = GROUP_QUERY) -> StreamingResponse:
         """`event: snapshot` first (every block as base64 codes, see the module docs), then
         `event: update` with `changes` ([block_id, code, ...]) or `blocks`, `requests`,
-        `counters` and `events` (preemption, prefix_hit, eviction)."""
+        `kv_cache_groups`, `counters` and `events` (preemption, prefix_hit, eviction,
+        window_free)."""
+        index = parse_group(view, group)
         is_draining = getattr(request.app.state, "is_draining", lambda: False)
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(
-            stream_events(view, is_draining), media_type="text/event-stream", headers=headers
+            stream_events(view, is_draining, index),
+            media_type="text/event-stream",
+            headers=headers,
         )
 
     return router

@@ -327,6 +327,164 @@ def test_a_pool_of_500k_blocks_draws_aggregated(context, server):
     log.assert_clean()
 
 
+# ---- a sliding-window model: one block table per KV cache group ------------------------------
+GEMMA_WINDOW = 32  # tokens; blocks of 16, so a query's window touches at most 3 blocks
+GEMMA_PROMPT_LEN = 100  # 7 blocks, past the window: 4 of them slide out at the first decode
+
+
+@pytest.fixture(scope="module")
+def gemma_server(tmp_path_factory):
+    """A tiny random Gemma 3: layer 0 sliding (window 32), layer 1 global, so two KV cache
+    groups (0 full, 1 sliding). Steps slowed past the view's 10/s so every step is captured."""
+    from test_gemma import build_windowed_dir
+
+    path = build_windowed_dir(
+        tmp_path_factory.mktemp("tiny-gemma3"),
+        "gemma3",
+        num_hidden_layers=2,
+        sliding_window_pattern=2,
+        sliding_window=GEMMA_WINDOW,
+    )
+    server = ServerProcess(
+        str(path),
+        "--dtype",
+        "float32",
+        "--api-key",
+        API_KEY,
+        "--served-model-name",
+        "tiny-gemma",
+        "--num-gpu-blocks-override",
+        "64",  # cells large enough to see on the map
+        env={"PAGEDSERVE_FAULT_INJECT": "step_delay_ms:150"},
+    )
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+def _complete_in_thread(
+    server, model: str, prompt: list[int], max_tokens: int, request_id: str | None = None
+):
+    errors: list[BaseException] = []
+    headers = {**AUTH, "X-Request-Id": request_id} if request_id else AUTH
+
+    def complete() -> None:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                "temperature": 0}
+        try:
+            r = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=300)
+            r.raise_for_status()
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            errors.append(e)
+
+    thread = threading.Thread(target=complete)
+    thread.start()
+    return thread, errors
+
+
+# Runs in the page every animation frame: records (full held, sliding held, sliding freed) of
+# the selected request at each new KV update, true once the sliding group's table has shrunk
+# between two updates while the full group's grew.
+SAMPLE_GROUP_TABLES = """(() => {
+    const kv = window.pagedserveKV;
+    const s = window.groupSamples || (window.groupSamples = []);
+    const full = document.querySelector('#block-table .group-table[data-group="0"]');
+    const sliding = document.querySelector('#block-table .group-table[data-group="1"]');
+    if (full && sliding && (!s.length || s[s.length - 1][3] !== kv.seq)) {
+        s.push([Number(full.dataset.held), Number(sliding.dataset.held),
+                Number(sliding.dataset.skipped), kv.seq]);
+    }
+    for (let i = 0; i < s.length; i++)
+        for (let j = i + 1; j < s.length; j++)
+            if (s[j][1] < s[i][1] && s[j][0] > s[i][0]) return true;
+    return false;
+})()"""
+
+
+def test_sliding_group_table_shrinks_while_the_full_one_grows(context, gemma_server):
+    page, log = open_playground(context, gemma_server)
+    wait_kv(page, "kv.groups.length === 2")
+    assert page.is_visible("#groups")
+    kinds = page.eval_on_selector_all("#groups-rows tr", "rows => rows.map(r => r.dataset.kind)")
+    assert kinds == ["full", "sliding"]
+    assert f"window {GEMMA_WINDOW}" in page.inner_text("#groups")
+    prompt = [3 + (j * 37) % 250 for j in range(GEMMA_PROMPT_LEN)]
+    # selected from its first update on, as the page does with its own chats
+    page.evaluate("window.pagedserveKV.follow = 'gemma-shrink'")
+    thread, errors = _complete_in_thread(
+        gemma_server, "tiny-gemma", prompt, max_tokens=50, request_id="gemma-shrink"
+    )
+    page.wait_for_function(SAMPLE_GROUP_TABLES, timeout=WAIT_MS, polling="raf")
+    samples = page.evaluate("window.groupSamples")
+    full, sliding, skipped = ([x[i] for x in samples] for i in range(3))
+    assert full == sorted(full), "a full-attention table never gives blocks back"
+    assert max(sliding) == -(-GEMMA_PROMPT_LEN // 16)  # the prefill step held every block
+    assert sliding[-1] <= -(-(GEMMA_WINDOW - 1) // 16) + 1 and skipped[-1] > 0
+    page.wait_for_selector("#block-table .group-table[data-group='1'] .bt.skipped")
+    assert "slid out of the window" in page.inner_text("#block-table")
+    page.wait_for_selector("#events li.window_free", timeout=WAIT_MS)
+    assert int(page.inner_text("#c-window-freed")) >= 4
+    shot(page, "10-sliding-window-groups")
+    thread.join(300)
+    assert not errors and not thread.is_alive()
+    log.assert_clean()
+
+
+def test_kv_snapshot_lists_every_group_and_filters_by_group(gemma_server):
+    prompt = [3 + (j * 11) % 250 for j in range(GEMMA_PROMPT_LEN)]
+    thread, errors = _complete_in_thread(gemma_server, "tiny-gemma", prompt, max_tokens=30)
+    deadline = time.monotonic() + 120
+    snap = None
+    while time.monotonic() < deadline:  # until the request runs with blocks behind the window
+        snap = httpx.get(gemma_server.url + "/kv/snapshot", headers=AUTH, timeout=10).json()
+        if snap["requests"] and snap["requests"][0]["groups"][1]["num_skipped_blocks"]:
+            break
+        time.sleep(0.1)
+    assert [(g["kind"], g["window"]) for g in snap["kv_cache_groups"]] == [
+        ("full", 0),
+        ("sliding", GEMMA_WINDOW),
+    ]
+    (r,) = snap["requests"]
+    tables = [g["block_table"] for g in r["groups"]]
+    assert r["block_table"] == tables[0] and -1 not in tables[0] and tables[1][0] == -1
+    held = [b for t in tables for b in t if b >= 0]
+    assert sorted(b for b, n in enumerate(snap["ref_cnt"]) if n) == sorted(held)
+    assert snap["counters"]["num_used_blocks"] == len(held)
+    one = httpx.get(
+        gemma_server.url + "/kv/snapshot", params={"group": 1}, headers=AUTH, timeout=10
+    ).json()
+    assert [g["group"] for req in one["requests"] for g in req["groups"]] in ([1], [])
+    thread.join(300)
+    assert not errors and not thread.is_alive()
+
+
+@pytest.mark.parametrize("path", ["/kv/snapshot", "/kv/stream"])
+@pytest.mark.parametrize("value", ["2", "-1", "x", "1.5", ""])
+def test_a_bad_group_gets_an_openai_error_and_the_server_keeps_serving(gemma_server, path, value):
+    r = httpx.get(gemma_server.url + path, params={"group": value}, headers=AUTH, timeout=10)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["type"] == "BadRequestError" and error["param"] == "group"
+    assert "2 KV cache groups" in error["message"] and set(error) >= {"message", "code"}
+    ok = httpx.get(gemma_server.url + "/kv/snapshot", headers=AUTH, timeout=10)
+    assert ok.status_code == 200 and len(ok.json()["kv_cache_groups"]) == 2
+
+
+def test_a_full_attention_model_has_one_group_and_refuses_group_1(server):
+    wait_idle(server)
+    snap = httpx.get(server.url + "/kv/snapshot", headers=AUTH, timeout=10).json()
+    (group,) = snap["kv_cache_groups"]
+    assert (group["group"], group["kind"], group["window"]) == (0, "full", 0)
+    assert group["num_skipped_blocks"] == group["num_window_freed_blocks_total"] == 0
+    num_hashed = sum(g >= 0 for g in snap["hash_group"])
+    assert group["num_hashed_blocks"] == sum(snap["hashed"]) == num_hashed
+    assert group["num_cached_blocks"] == snap["counters"]["num_cached_blocks"]
+    r = httpx.get(server.url + "/kv/snapshot", params={"group": 1}, headers=AUTH, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "group"
+    assert "1 KV cache group)" in r.json()["error"]["message"]
+
+
 # ---- offline docs ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "path, selector",

@@ -13,6 +13,7 @@
     selected: [220, 38, 38],
     hit: [124, 58, 237],
     evicted: [220, 38, 38],
+    windowFreed: [13, 148, 136],
   };
   const MAX_CELL_PX = 28;
   const MAX_MAP_PX = 300;
@@ -24,7 +25,8 @@
     numBlocks: 0,
     blockSize: 0,
     codes: new Uint8Array(0), // min(ref_cnt, 127) | 128 if the block holds a prefix hash
-    requests: [],
+    requests: [], // each with block_table (group 0) and groups[g].block_table (-1: slid out)
+    groups: [], // kv_cache_groups: kind, window and block counts per KV cache group
     waiting: [],
     counters: null,
     seq: 0,
@@ -38,6 +40,10 @@
 
   const refOf = (code) => code & 127;
   const isHashed = (code) => (code & 128) !== 0;
+  // a request's tables, one per KV cache group (older servers send only block_table)
+  const tablesOf = (r) => (r.groups ? r.groups.map((g) => g.block_table) : [r.block_table]);
+  const heldIds = (r) => tablesOf(r).flat().filter((b) => b >= 0);
+  const groupName = (g) => (g.kind === "sliding" ? `sliding, window ${g.window}` : "full attention");
 
   function decodeBase64(text) {
     const bin = atob(text);
@@ -55,6 +61,7 @@
     kv.numBlocks = body.num_blocks;
     kv.blockSize = body.block_size;
     kv.requests = body.requests;
+    kv.groups = body.kv_cache_groups || [];
     kv.waiting = body.waiting;
     kv.counters = body.counters;
     kv.seq = body.seq;
@@ -70,6 +77,7 @@
     $("kv-geometry").textContent =
       `${kv.numBlocks.toLocaleString()} blocks × ${kv.blockSize} tokens`;
     renderCounters();
+    renderGroups();
     renderRequests();
     renderBlockTable();
     requestDraw();
@@ -101,6 +109,10 @@
       text = `evicted ${e.num_blocks} cached block(s)` +
         (e.block_ids.length ? ` [${e.block_ids.join(", ")}]` : "");
       for (const b of e.block_ids) kv.flashes.set(b, { color: RGB.evicted, until: now + FLASH_MS });
+    } else if (e.type === "window_free") {
+      text = `window slid: ${e.num_blocks} block(s) returned to the pool` +
+        (e.block_ids.length ? ` [${e.block_ids.join(", ")}]` : "");
+      for (const b of e.block_ids) kv.flashes.set(b, { color: RGB.windowFreed, until: now + FLASH_MS });
     } else if (e.type === "preemption") {
       text = e.request_id
         ? `preempted ${e.request_id}: its blocks were freed, it will recompute`
@@ -130,7 +142,30 @@
       : "–";
     $("c-preemptions").textContent = String(c.num_preemptions_total);
     $("c-evictions").textContent = String(c.num_evictions_total);
+    $("c-window-freed").textContent = String(c.num_window_freed_blocks_total || 0);
     $("c-queue").textContent = `${c.num_running} / ${c.num_waiting}`;
+  }
+
+  function renderGroups() {
+    // one row per KV cache group; a model with one full-attention group shows none
+    const box = $("groups");
+    box.hidden = kv.groups.length < 2 && !(kv.groups[0] && kv.groups[0].kind === "sliding");
+    const rows = $("groups-rows");
+    rows.replaceChildren();
+    if (box.hidden) return;
+    for (const g of kv.groups) {
+      const tr = document.createElement("tr");
+      tr.dataset.group = String(g.group);
+      tr.dataset.kind = g.kind;
+      const cells = [g.group, groupName(g), g.num_held_blocks, g.num_skipped_blocks,
+        `${g.num_hashed_blocks} / ${g.num_cached_blocks}`, g.num_window_freed_blocks_total];
+      for (const v of cells) {
+        const td = document.createElement("td");
+        td.textContent = String(v);
+        tr.append(td);
+      }
+      rows.append(tr);
+    }
   }
 
   function renderRequests() {
@@ -139,7 +174,7 @@
     for (const r of kv.requests) {
       const li = document.createElement("li");
       li.dataset.requestId = r.request_id;
-      li.textContent = `${r.request_id} · ${r.block_table.length} blocks · ` +
+      li.textContent = `${r.request_id} · ${heldIds(r).length} blocks held · ` +
         `${r.num_computed_tokens}/${r.num_tokens} tokens computed` +
         (r.num_cached_tokens ? ` · ${r.num_cached_tokens} from the prefix cache` : "") +
         (r.num_preemptions ? ` · preempted ${r.num_preemptions}×` : "");
@@ -171,13 +206,41 @@
     }
     $("table-title").textContent = `${r.request_id}: logical → physical`;
     const numHit = Math.floor(r.num_cached_tokens / kv.blockSize);
-    r.block_table.forEach((phys, logical) => {
-      const chip = document.createElement("span");
-      const ref = refOf(kv.codes[phys] || 0);
-      chip.className = "bt" + (ref > 1 ? " shared" : "") + (logical < numHit ? " hit" : "");
-      chip.textContent = `${logical}→${phys}` + (ref > 1 ? ` (ref ${ref})` : "");
-      box.append(chip);
-    });
+    const groups = r.groups || [{ group: 0, block_table: r.block_table }];
+    const several = groups.length > 1 || (kv.groups[0] && kv.groups[0].kind === "sliding");
+    for (const g of groups) {
+      const info = kv.groups[g.group];
+      const section = document.createElement("div");
+      section.className = "group-table";
+      section.dataset.group = String(g.group);
+      const table = g.block_table;
+      const numSkipped = table.filter((b) => b < 0).length;
+      section.dataset.held = String(table.length - numSkipped);
+      section.dataset.skipped = String(numSkipped);
+      if (several) {
+        const title = document.createElement("div");
+        title.className = "group-title";
+        title.textContent = `group ${g.group} (${info ? groupName(info) : "?"}): ` +
+          `${table.length - numSkipped} held` +
+          (numSkipped ? `, ${numSkipped} slid out of the window and freed` : "");
+        section.append(title);
+      }
+      if (numSkipped) { // a leading run: one chip for all of it
+        const chip = document.createElement("span");
+        chip.className = "bt skipped";
+        chip.textContent = numSkipped > 1 ? `0–${numSkipped - 1}: freed` : "0: freed";
+        section.append(chip);
+      }
+      table.forEach((phys, logical) => {
+        if (phys < 0) return;
+        const chip = document.createElement("span");
+        const ref = refOf(kv.codes[phys] || 0);
+        chip.className = "bt held" + (ref > 1 ? " shared" : "") + (logical < numHit ? " hit" : "");
+        chip.textContent = `${logical}→${phys}` + (ref > 1 ? ` (ref ${ref})` : "");
+        section.append(chip);
+      });
+      box.append(section);
+    }
   }
 
   // ---- the map: one cell per block, or one pixel per group of blocks in huge pools --------
@@ -240,7 +303,7 @@
       canvas.height = height;
     }
     const sel = kv.requests.find((r) => r.request_id === kv.selected);
-    const selectedSet = new Set(sel ? sel.block_table : []);
+    const selectedSet = new Set(sel ? heldIds(sel) : []);
     const now = performance.now();
     const { cell, cols, perCell } = geometry;
     if (cell <= 3) {
@@ -327,9 +390,13 @@
       return;
     }
     const code = kv.codes[b];
-    const holders = kv.requests
-      .filter((r) => r.block_table.includes(b))
-      .map((r) => `${r.request_id}[${r.block_table.indexOf(b)}]`);
+    const holders = [];
+    for (const r of kv.requests) {
+      tablesOf(r).forEach((t, g) => {
+        const i = t.indexOf(b);
+        if (i >= 0) holders.push(`${r.request_id}[${kv.groups.length > 1 ? `g${g}:` : ""}${i}]`);
+      });
+    }
     const what = geometry.perCell > 1 ? `blocks ${b}–${b + geometry.perCell - 1}` : `block ${b}`;
     tip.textContent = `${what}: ref ${refOf(code)}` + (isHashed(code) ? ", prefix-cached" : "") +
       (holders.length ? ` · ${holders.join(", ")}` : "");
