@@ -25,12 +25,14 @@ from engine.outputs import (
 from engine.request import Request, RequestRejectedError, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_decode import SpecDecodeStats
 from engine.structured_output import GrammarCompiler
 from engine.weight_loader import check_tokenizer
 
 logger = logging.getLogger(__name__)
 
 _MAX_MODEL_LEN_DEFAULT_CAP = 8192  # keeps the default KV cap sane for long-context configs
+_SPEC_LOG_INTERVAL = 10.0  # seconds between speculative decoding log lines
 
 
 class LLMEngine:
@@ -56,6 +58,12 @@ class LLMEngine:
         self.request_states: dict[str, RequestState] = {}
         self.last_token_time: dict[str, float] = {}
         self.aborted_metrics: list[RequestMetrics] = []  # reported with the next stats
+        spec = self.config.speculative_config
+        # sums since start, logged every _SPEC_LOG_INTERVAL seconds while drafts run
+        self.spec_decode_totals = (
+            SpecDecodeStats.empty(spec.num_speculative_tokens) if spec is not None else None
+        )
+        self._spec_logged_at = time.monotonic()
         logger.info(
             "engine ready: model=%s dtype=%s device=%s backend=%s blocks=%d x %d tokens "
             "max_model_len=%d executor=%s tensor_parallel_size=%d speculative=%s",
@@ -179,7 +187,28 @@ class LLMEngine:
             if out.finished:
                 stats.finished.append(out.metrics)
                 stats.finished_reasons.append(out.outputs[0].finish_reason)
+        if sched_out.spec_stats is not None:
+            self._add_spec_stats(sched_out.spec_stats, now)
         return outputs, stats
+
+    def _add_spec_stats(self, step: SpecDecodeStats, now: float) -> None:
+        total = self.spec_decode_totals
+        total.num_drafts += step.num_drafts
+        total.num_draft_tokens += step.num_draft_tokens
+        total.num_accepted_tokens += step.num_accepted_tokens
+        for pos, n in enumerate(step.num_accepted_tokens_per_pos):
+            total.num_accepted_tokens_per_pos[pos] += n
+        if now - self._spec_logged_at >= _SPEC_LOG_INTERVAL:
+            self._spec_logged_at = now
+            logger.info(
+                "speculative decoding: drafts=%d draft_tokens=%d accepted=%d (%.1f%%) "
+                "accepted per position=%s",
+                total.num_drafts,
+                total.num_draft_tokens,
+                total.num_accepted_tokens,
+                100.0 * total.num_accepted_tokens / max(total.num_draft_tokens, 1),
+                total.num_accepted_tokens_per_pos,
+            )
 
     def _record_itl(self, req: Request, now: float, stats: StepStats) -> None:
         last = self.last_token_time.get(req.request_id)
