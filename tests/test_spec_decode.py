@@ -252,21 +252,28 @@ def test_stops_inside_an_accepted_run(cycle_model_dir, params):
     assert got[0][2] == "stop" and counters[2] > 0
 
 
-def test_penalties_and_logit_bias_see_each_draft_position(cycle_model_dir, repeat_prompts):
-    """Greedy with penalties: a draft position's penalties count the drafts before it."""
-    prompts = repeat_prompts + [_cycle_ids(CYCLE_TEXT * 3)]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3),
-        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=0.4),
-        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=0.3),
-        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                       logit_bias={_cycle_ids("x")[0]: 2.0}),  # fmt: skip
-    ] * 2
-    params = params[: len(prompts)]
-    plain, _ = run(cycle_model_dir, prompts, params)
-    got, counters = run(cycle_model_dir, prompts, params, SPEC)
-    assert [g[0] for g in got] == [p[0] for p in plain]
-    assert counters[0] > 0
+def test_processors_see_the_drafts_before_each_position():
+    """Penalties, logit_bias and min_tokens at draft position j count drafts 0..j-1 as output,
+    exactly as j plain decode steps would: the verified tokens equal those of plain steps."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, k = 12, 4
+    logits = torch.randn(k + 1, vocab, generator=gen) * 0.5
+    logits[:, 5] += 1.0  # a favourite that the penalties push down once it is output
+    params = SamplingParams(temperature=0.0, max_tokens=20, frequency_penalty=0.6,
+                            presence_penalty=0.3, repetition_penalty=1.4,
+                            logit_bias={7: 0.2}, min_tokens=4, stop_token_ids=[2])  # fmt: skip
+    logits[:, 2] += 2.0  # a stop token min_tokens holds back until the 4th output token
+    req = Request("r", [1, 5, 3], params, eos_token_id=None)
+    req.all_token_ids += [5, 9]
+    plain, tokens = Sampler(torch.device("cpu")), []
+    for j in range(k + 1):  # j plain decode steps, the tokens so far appended as output
+        step = Request("r", [1, 5, 3], params, eos_token_id=None)
+        step.all_token_ids += [5, 9] + tokens
+        tokens += plain(logits[j : j + 1], [step]).sampled_token_ids
+    stale = [plain(logits[j : j + 1], [req]).sampled_token_ids[0] for j in range(k + 1)]
+    assert stale != tokens, "the logits must make the per-position output matter"
+    out = Sampler(torch.device("cpu")).verify(logits, [req], [tokens[:k]])
+    assert out.token_ids == [tokens]
 
 
 def test_logprobs_equal_to_plain_decoding(cycle_model_dir, repeat_prompts):
