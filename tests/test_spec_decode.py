@@ -91,6 +91,50 @@ def test_proposer_prefers_the_latest_match_with_k_tokens_after_it():
     assert _proposer(k=3, n_max=2).propose([3, 4, 3, 4]) == [3, 4]  # all there is after it
 
 
+# ---- scheduler -----------------------------------------------------------------------------
+def _spec_scheduler(num_blocks=32, group_windows=(0,)):
+    from engine.scheduler import Scheduler
+
+    cfg = EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=64, max_model_len=256,
+                       speculative_config=SPEC)  # fmt: skip
+    return Scheduler(cfg, num_blocks, group_windows)
+
+
+def test_scheduler_refuses_sliding_window_groups():
+    with pytest.raises(ValueError, match="not supported with sliding-window"):
+        _spec_scheduler(group_windows=(0, 8))
+
+
+def test_rejected_drafts_give_their_blocks_back():
+    from engine.outputs import ModelRunnerOutput
+
+    sched = _spec_scheduler()
+    kv = sched.kv_cache_manager
+    req = Request("r", [1, 2, 3, 1, 2, 3, 1], SamplingParams(temperature=0.0, max_tokens=20))
+    sched.add_request(req)
+    out = sched.schedule()  # the prompt
+    sched.update_from_output(out, ModelRunnerOutput([2]))
+    out = sched.schedule()  # newest token 2 and the drafts after "3 1 2"
+    assert out.spec_token_ids == {"r": [3, 1, 2]} and out.num_scheduled_tokens == [4]
+    assert len(kv.get_block_ids("r")) == 3  # slots for positions 7..10
+    sched.update_from_output(
+        out, ModelRunnerOutput([2], spec_token_ids={"r": [3, 2]})  # one accepted, then 2
+    )
+    assert req.all_token_ids[7:] == [2, 3, 2] and req.num_computed_tokens == 9
+    assert len(kv.get_block_ids("r")) == 3  # position 9 still needs the third block
+    out = sched.schedule()
+    assert out.spec_token_ids == {"r": [3, 1, 2]}  # after the "2" at position 4
+    assert len(kv.get_block_ids("r")) == 4  # positions 9..12
+    sched.update_from_output(out, ModelRunnerOutput([5], spec_token_ids={"r": [5]}))
+    assert req.num_computed_tokens == 10 and req.num_tokens == 11
+    kv.check_integrity()
+    assert len(kv.get_block_ids("r")) == 3  # cdiv(10, 4): the blocks of rejected slots freed
+    assert kv.block_pool.get_num_free_blocks() == 32 - 3
+    table = list(kv.get_block_ids("r"))
+    out = sched.schedule()  # the runner's copy of the table is resent after the rollback
+    assert out.block_table_reset == [True] and out.new_block_ids[0][:3] == tuple(table)
+
+
 # ---- engine --------------------------------------------------------------------------------
 def _check_hashes(engine) -> None:
     """Every cached block a running request holds covers verified tokens with their hash."""
