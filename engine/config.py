@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from engine.spec_decode import SpeculativeConfig
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _EXECUTORS = ("uni", "mp")
@@ -43,6 +45,8 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs for decode batches
     grammar_compile_timeout: float = 10.0  # seconds; a slower grammar is refused (400)
+    # n-gram speculative decoding (engine/spec_decode.py); JSON text or a dict is parsed here
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.block_size is None:  # resolved once here, so every reader sees one number
@@ -82,6 +86,19 @@ class EngineConfig:
             raise ValueError("max_num_queued_reqs must be positive")
         if not self.grammar_compile_timeout > 0:
             raise ValueError("grammar_compile_timeout must be positive")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative_config is None:
+            return
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
+        if self.distributed_executor_backend != "uni":
+            # the worker wire format carries no draft tokens
+            raise ValueError(
+                "speculative_config is not supported with tensor_parallel_size > 1 or "
+                "distributed_executor_backend 'mp' yet"
+            )
 
     def _check_parallel(self) -> None:
         n = self.tensor_parallel_size

@@ -189,6 +189,19 @@ class KVGroup:
                 self.hash_groups[block.block_id] = self.index
         self.num_cached_blocks[request_id] = num_full
 
+    def truncate(self, request_id: str, num_blocks: int) -> bool:
+        """Frees the table's entries from num_blocks on, last first; they must be unhashed."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks or len(blocks) <= num_blocks:
+            return False
+        assert self.num_cached_blocks.get(request_id, 0) <= num_blocks, "truncating cached blocks"
+        tail = blocks[num_blocks:]
+        assert all(b is None or b.block_hash is None for b in tail), "a verified block is cached"
+        del blocks[num_blocks:]
+        del self.req_to_block_ids[request_id][num_blocks:]
+        self.pool.free_blocks(b for b in reversed(tail) if b is not None)
+        return True
+
     def free(self, request_id: str) -> None:
         """Release in reverse so a chain's tail is evicted before its head."""
         blocks = self.req_to_blocks.pop(request_id, None)

@@ -178,6 +178,18 @@ class KVCacheManager:
             self.prefix_cache_stats.num_queries += pending[0]
             self.prefix_cache_stats.num_hits += pending[1]
 
+    def rollback(self, request: Request, num_computed_tokens: int) -> bool:
+        """Gives back the blocks past num_computed_tokens (rejected draft tokens' slots).
+
+        Such blocks hold only unverified tokens, so they were never hashed: they return to the
+        free queue's head. Returns whether any block was freed.
+        """
+        keep = cdiv(num_computed_tokens, self.block_size)
+        freed = False
+        for group in reversed(self.groups):
+            freed |= group.truncate(request.request_id, keep)
+        return freed
+
     def free(self, request: Request) -> None:
         """Release every group's blocks, each table in reverse (a chain's tail is evicted first)."""
         rid = request.request_id

@@ -25,12 +25,14 @@ from engine.outputs import (
 from engine.request import Request, RequestRejectedError, RequestStatus
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_decode import SpecDecodeStats
 from engine.structured_output import GrammarCompiler
 from engine.weight_loader import check_tokenizer
 
 logger = logging.getLogger(__name__)
 
 _MAX_MODEL_LEN_DEFAULT_CAP = 8192  # keeps the default KV cap sane for long-context configs
+_SPEC_LOG_INTERVAL = 10.0  # seconds between speculative decoding log lines
 
 
 class LLMEngine:
@@ -56,9 +58,15 @@ class LLMEngine:
         self.request_states: dict[str, RequestState] = {}
         self.last_token_time: dict[str, float] = {}
         self.aborted_metrics: list[RequestMetrics] = []  # reported with the next stats
+        spec = self.config.speculative_config
+        # sums since start, logged every _SPEC_LOG_INTERVAL seconds while drafts run
+        self.spec_decode_totals = (
+            SpecDecodeStats.empty(spec.num_speculative_tokens) if spec is not None else None
+        )
+        self._spec_logged_at = time.monotonic()
         logger.info(
             "engine ready: model=%s dtype=%s device=%s backend=%s blocks=%d x %d tokens "
-            "max_model_len=%d executor=%s tensor_parallel_size=%d",
+            "max_model_len=%d executor=%s tensor_parallel_size=%d speculative=%s",
             self.model_dir,
             self.executor.dtype,
             self.executor.device,
@@ -68,6 +76,7 @@ class LLMEngine:
             self.config.max_model_len,
             self.config.distributed_executor_backend,
             self.config.tensor_parallel_size,
+            self.config.speculative_config,
         )
 
     @property
@@ -156,20 +165,50 @@ class LLMEngine:
                 self.request_states[rid].add_prompt_logprobs(chunk)
         now = time.monotonic()
         stats = self._step_stats(sched_out, now - t0)
-        stats.num_generation_tokens = len(results)
         outputs = []
         for req, new_ids in results:
             self._record_itl(req, now, stats)
-            delta, stop_str = self.request_states[req.request_id].process_tokens(req, new_ids)
+            state = self.request_states[req.request_id]
+            if req.request_id not in runner_out.spec_token_ids:
+                delta, stop_str = state.process_tokens(req, new_ids)
+                logprobs = runner_out.logprobs.get(req.request_id)
+            else:  # accepted drafts: tokens after a stop string are dropped
+                delta, stop_str, kept = state.process_token_run(req, new_ids)
+                logprobs = runner_out.spec_logprobs.get(req.request_id)
+                if stop_str is not None and kept < len(new_ids):
+                    self.scheduler.finish_by_stop_string(req, stop_str, len(new_ids) - kept)
+                    stop_str, new_ids = None, new_ids[:kept]
+                logprobs = logprobs[: len(new_ids)] if logprobs is not None else None
             if stop_str is not None:
                 self.scheduler.finish_by_stop_string(req, stop_str)
-            logprobs = runner_out.logprobs.get(req.request_id)
+            stats.num_generation_tokens += len(new_ids)
             outputs.append(self._make_output(req, new_ids, delta, now, logprobs))
         for out in outputs:
             if out.finished:
                 stats.finished.append(out.metrics)
                 stats.finished_reasons.append(out.outputs[0].finish_reason)
+        if sched_out.spec_stats is not None:
+            self._add_spec_stats(sched_out.spec_stats, now)
         return outputs, stats
+
+    def _add_spec_stats(self, step: SpecDecodeStats, now: float) -> None:
+        total = self.spec_decode_totals
+        total.num_drafts += step.num_drafts
+        total.num_draft_tokens += step.num_draft_tokens
+        total.num_accepted_tokens += step.num_accepted_tokens
+        for pos, n in enumerate(step.num_accepted_tokens_per_pos):
+            total.num_accepted_tokens_per_pos[pos] += n
+        if now - self._spec_logged_at >= _SPEC_LOG_INTERVAL:
+            self._spec_logged_at = now
+            logger.info(
+                "speculative decoding: drafts=%d draft_tokens=%d accepted=%d (%.1f%%) "
+                "accepted per position=%s",
+                total.num_drafts,
+                total.num_draft_tokens,
+                total.num_accepted_tokens,
+                100.0 * total.num_accepted_tokens / max(total.num_draft_tokens, 1),
+                total.num_accepted_tokens_per_pos,
+            )
 
     def _record_itl(self, req: Request, now: float, stats: StepStats) -> None:
         last = self.last_token_time.get(req.request_id)
@@ -183,7 +222,7 @@ class LLMEngine:
         new_ids: list[int],
         delta: str,
         now: float,
-        logprobs: TokenLogprobs | None = None,
+        logprobs: TokenLogprobs | list[TokenLogprobs] | None = None,
     ):
         metrics = None
         state = self.request_states.get(req.request_id)
@@ -207,7 +246,7 @@ class LLMEngine:
             token_ids=list(new_ids),
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-            logprobs=[logprobs] if logprobs is not None else None,
+            logprobs=[logprobs] if isinstance(logprobs, TokenLogprobs) else logprobs,
         )
         return RequestOutput(
             request_id=req.request_id,
@@ -247,7 +286,21 @@ class LLMEngine:
             num_free_blocks=pool.get_num_free_blocks(),
             num_cached_free_blocks=pool.get_num_cached_free_blocks(),
             step_time=step_time,
+            **_spec_stats(out),
         )
+
+
+def _spec_stats(out: SchedulerOutput) -> dict:
+    """The step's speculative decoding counters as StepStats fields."""
+    s = out.spec_stats
+    if s is None:
+        return {}
+    return dict(
+        num_spec_drafts=s.num_drafts,
+        num_spec_draft_tokens=s.num_draft_tokens,
+        num_spec_accepted_tokens=s.num_accepted_tokens,
+        num_spec_accepted_tokens_per_pos=s.num_accepted_tokens_per_pos,
+    )
 
 
 def resolve_config(config: EngineConfig, hf_config) -> EngineConfig:

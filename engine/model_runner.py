@@ -196,12 +196,23 @@ class ModelRunner:
         np.add(table[row_of_token, positions // bs] * bs, positions % bs, out=slots)
         input_ids = self._input_ids[:num_tokens]
         input_ids[:] = _gather_token_ids(out)
-        # Sample after a request's newest token; partial prefill chunks sample nothing.
-        sampled_mask = seq_lens == np.fromiter(
-            (r.num_tokens for r in out.requests), dtype=np.int64, count=n_reqs
+        # Sample after a request's newest token (and each of its drafts); partial prefill
+        # chunks sample nothing.
+        spec = out.spec_token_ids
+        num_drafts = np.fromiter(
+            (len(spec.get(r.request_id, ())) for r in out.requests) if spec else (),
+            dtype=np.int64,
+            count=n_reqs if spec else 0,
         )
+        ends = np.fromiter((r.num_tokens for r in out.requests), dtype=np.int64, count=n_reqs)
+        sampled_mask = seq_lens == (ends + num_drafts if spec else ends)
         sample_idx = np.flatnonzero(sampled_mask).tolist()
-        logits_rows = (cu_q[sampled_mask] - 1).tolist()
+        if spec:  # rows of the newest token and every draft: the last 1 + K of the chunk
+            last = cu_q[sampled_mask]
+            counts = num_drafts[sampled_mask] + 1
+            logits_rows = (np.repeat(last - counts, counts) + _ranges(counts)).tolist()
+        else:
+            logits_rows = (cu_q[sampled_mask] - 1).tolist()
         max_blocks = int((seq_lens.max() + bs - 1) // bs)
         block_table = table[rows, :max_blocks]
         dev = self.device
@@ -281,12 +292,47 @@ class ModelRunner:
             if not self.tp.is_driver:  # only rank 0 samples and answers
                 compute_prompt_logprobs(self.model, hidden, out)
                 return result
-            sampler_out = self.sampler(logits, [out.requests[i] for i in sample_idx])
-            for i, tok in zip(sample_idx, sampler_out.sampled_token_ids):
-                sampled[i] = tok
-            result.logprobs = sampler_out.logprobs
+            if out.spec_token_ids:
+                self._sample_with_drafts(out, logits, sample_idx, result)
+            else:
+                sampler_out = self.sampler(logits, [out.requests[i] for i in sample_idx])
+                for i, tok in zip(sample_idx, sampler_out.sampled_token_ids):
+                    sampled[i] = tok
+                result.logprobs = sampler_out.logprobs
         result.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, out)
         return result
+
+    def _sample_with_drafts(
+        self, out: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int], result
+    ) -> None:
+        """Plain rows through the sampler as usual; requests with drafts through its verify."""
+        spec = out.spec_token_ids
+        plain_rows, plain_idx, verify_rows, verify_idx = [], [], [], []
+        row = 0
+        for i in sample_idx:
+            drafts = spec.get(out.requests[i].request_id)
+            if drafts is None:
+                plain_rows.append(row)
+                plain_idx.append(i)
+                row += 1
+            else:
+                verify_rows.extend(range(row, row + len(drafts) + 1))
+                verify_idx.append(i)
+                row += len(drafts) + 1
+        sampled = result.sampled_token_ids
+        if plain_idx:
+            sampler_out = self.sampler(logits[plain_rows], [out.requests[i] for i in plain_idx])
+            for i, tok in zip(plain_idx, sampler_out.sampled_token_ids):
+                sampled[i] = tok
+            result.logprobs = sampler_out.logprobs
+        reqs = [out.requests[i] for i in verify_idx]
+        verified = self.sampler.verify(
+            logits[verify_rows], reqs, [spec[r.request_id] for r in reqs]
+        )
+        for i, req, tokens in zip(verify_idx, reqs, verified.token_ids):
+            sampled[i] = tokens[-1]
+            result.spec_token_ids[req.request_id] = tokens
+        result.spec_logprobs = verified.logprobs
 
     def release(self, request_id: str) -> None:
         """Drops a finished request's sampler state and block-table row (from finished_req_ids)."""
@@ -324,14 +370,25 @@ def shared_prefix_blocks(
 
 
 def _gather_token_ids(out: SchedulerOutput) -> list[int]:
-    """The scheduled tokens of every request, flattened in batch order."""
+    """The scheduled tokens of every request, flattened in batch order (drafts after the
+    newest token)."""
     ids: list[int] = []
+    spec = out.spec_token_ids
     for req, n, start in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens):
         if n == 1:  # decode: the newest token
             ids.append(req.all_token_ids[start])
+        elif spec and req.request_id in spec:
+            ids.append(req.all_token_ids[start])
+            ids.extend(spec[req.request_id])
         else:
             ids.extend(req.all_token_ids[start : start + n])
     return ids
+
+
+def _ranges(counts: np.ndarray) -> np.ndarray:
+    """0..c-1 for each c in counts, concatenated."""
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(int(counts.sum())) - starts
 
 
 class BlockTables:

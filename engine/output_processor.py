@@ -40,6 +40,31 @@ class RequestState:
             delta += self.stop_checker.flush()
         return delta, stop_str
 
+    def process_token_run(
+        self, req: Request, new_token_ids: list[int]
+    ) -> tuple[str, str | None, int]:
+        """Several tokens of one step (accepted drafts), each handled as its own decode step
+        would be: (delta text, the stop string if one completed, tokens kept up to it)."""
+        params = req.sampling_params
+        num_before = req.num_output_tokens - len(new_token_ids)
+        last = len(new_token_ids) - 1
+        delta = ""
+        for i, token_id in enumerate(new_token_ids):
+            ids = [token_id]
+            if i == last and req.status == RequestStatus.FINISHED_STOPPED:
+                ids = ids if params.include_stop_str_in_output else []
+            text = self.detokenizer.step(ids)
+            if i == last and req.finished:
+                text += self.detokenizer.flush()
+            can_stop = num_before + i + 1 >= params.min_tokens
+            part, stop_str = self.stop_checker.step(text, can_stop)
+            delta += part
+            if stop_str is not None:
+                return delta, stop_str, i + 1
+        if req.finished:
+            delta += self.stop_checker.flush()
+        return delta, None, len(new_token_ids)
+
     def add_prompt_logprobs(self, chunk: PromptLogprobsChunk) -> None:
         """Appends the positions not seen yet (recompute after preemption repeats some)."""
         if self.prompt_logprobs is None:

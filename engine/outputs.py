@@ -84,6 +84,11 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # request id -> prompt logprobs of the rows computed this step (params.prompt_logprobs set)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # Requests that ran drafts (speculative decoding): request id -> every token emitted this
+    # step (accepted drafts, then the bonus token, which sampled_token_ids also holds), and
+    # their logprobs, one per token, for requests with params.logprobs set.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -103,6 +108,11 @@ class StepStats:
     num_free_blocks: int = 0
     num_cached_free_blocks: int = 0
     step_time: float = 0.0
+    # speculative decoding this step (vLLM's spec_decode_* counters)
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     finished: list[RequestMetrics] = field(default_factory=list)
     finished_reasons: list[str] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)

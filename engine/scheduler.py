@@ -20,6 +20,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import ModelRunnerOutput
 from engine.request import Request, RequestRejectedError, RequestStatus
 from engine.request_queue import RequestQueue
+from engine.spec_decode import NgramProposer, SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,10 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_new_requests: int = 0  # admitted from the waiting queue this step
     finished_req_ids: list[str] = field(default_factory=list)  # finished since the last step
+    # request id -> draft tokens scheduled after its newest token (speculative decoding): the
+    # request's num_scheduled_tokens is 1 + len(drafts)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_stats: SpecDecodeStats | None = None  # filled by update_from_output when drafts ran
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -84,6 +89,14 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.finished_req_ids: list[str] = []
         self.num_preemptions_total = 0
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        if self.proposer is not None and self.is_hybrid:
+            raise ValueError(
+                "speculative_config is not supported with sliding-window KV cache groups yet"
+            )
+        # Requests whose rejected drafts gave blocks back: their next step resends the table.
+        self._tables_to_reset: set[str] = set()
 
     # ---- queue -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -168,6 +181,9 @@ class Scheduler:
             num_new = min(len(req.all_token_ids) - computed, budget, max_model_len - computed)
             if num_new <= 0:
                 continue
+            drafts = self._propose(req, budget) if self.proposer is not None else None
+            if drafts:
+                num_new += len(drafts)
             end = computed + num_new
             new_ids = _NO_NEW_BLOCKS
             if hybrid:
@@ -178,6 +194,9 @@ class Scheduler:
                 or end // bs != computed // bs
             ):
                 new_blocks = allocate_slots(req, num_new)
+                if new_blocks is None and drafts:  # drafts never preempt anyone: drop them
+                    num_new, end, drafts = 1, computed + 1, None
+                    new_blocks = allocate_slots(req, num_new)
                 if new_blocks is None:
                     new_blocks = self._preempt_until_fits(req, num_new, out)
                     if new_blocks is None:
@@ -186,14 +205,37 @@ class Scheduler:
                     new_ids = self._add_group_deltas(out, req.request_id, num_before)
                 elif new_blocks:
                     new_ids = tuple([b.block_id for b in new_blocks])
+            reset = False
+            if self._tables_to_reset and req.request_id in self._tables_to_reset:
+                self._tables_to_reset.discard(req.request_id)
+                new_ids, reset = tuple(get_block_ids(req.request_id)), True
+            if drafts:
+                out.spec_token_ids[req.request_id] = drafts
             batch.append(req)
             num_scheduled.append(num_new)
             num_computed.append(computed)
             new_block_ids.append(new_ids)
-            resets.append(False)
+            resets.append(reset)
             req.num_computed_tokens = end
             budget -= num_new
         return budget
+
+    def _propose(self, req: Request, budget: int) -> list[int] | None:
+        """Draft tokens for a decoding request, capped so that every draft accepted plus the
+        bonus token never pass max_tokens or max_model_len, nor the step's token budget."""
+        num_tokens = len(req.all_token_ids)
+        if req.num_computed_tokens != num_tokens - 1 or req.grammar is not None:
+            return None
+        params = req.sampling_params
+        max_tokens = params.max_tokens or self.max_model_len
+        max_drafts = min(
+            budget - 1,
+            self.max_model_len - num_tokens - 1,
+            max_tokens - (num_tokens - req.num_prompt_tokens) - 1,
+        )
+        if max_drafts <= 0:
+            return None
+        return self.proposer.propose(req.all_token_ids, max_drafts) or None
 
     def _num_table_entries(self, request_id: str) -> list[int]:
         kv = self.kv_cache_manager
@@ -259,6 +301,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Recompute preemption: drop the KV, resume later as an ordinary prefill."""
         self.kv_cache_manager.free(req)  # reverse order; cached blocks stay for its own resume
+        self._tables_to_reset.discard(req.request_id)  # readmission resends the table anyway
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -287,8 +330,17 @@ class Scheduler:
         num_finished = 0
         now = time.monotonic()
         check_stop = self._check_stop
+        spec = out.spec_token_ids
+        if spec:
+            out.spec_stats = SpecDecodeStats.empty(self.proposer.k)
         for req, token_id in zip(out.requests, runner_output.sampled_token_ids):
             if token_id is None or req.status is not _RUNNING:  # partial chunk, or aborted
+                continue
+            if spec and req.request_id in spec:
+                tokens = runner_output.spec_token_ids[req.request_id]
+                kept = self._append_verified(req, spec[req.request_id], tokens, out.spec_stats)
+                num_finished += req.status is not _RUNNING
+                results.append((req, kept))
                 continue
             req.all_token_ids.append(token_id)
             if req.first_token_time is None:
@@ -300,6 +352,28 @@ class Scheduler:
         if num_finished:  # one pass per step instead of a list.remove per finished request
             self.running = [r for r in self.running if r.status is _RUNNING]
         return results
+
+    def _append_verified(
+        self, req: Request, drafts: list[int], tokens: list[int], stats: SpecDecodeStats
+    ) -> list[int]:
+        """Appends the accepted drafts and the bonus token one at a time with the stop rules of
+        plain decoding (tokens after a stop are dropped); gives back the rejected drafts' KV.
+        Returns the tokens appended."""
+        stats.record(len(drafts), len(tokens) - 1)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        for i, token_id in enumerate(tokens):
+            req.all_token_ids.append(token_id)
+            if self._check_stop(req, token_id):
+                self._free_finished(req)
+                return tokens[: i + 1]
+        # KV is valid up to the last accepted draft; the bonus token has none yet.
+        num_computed = len(req.all_token_ids) - 1
+        if num_computed < req.num_computed_tokens:
+            req.num_computed_tokens = num_computed
+            if self.kv_cache_manager.rollback(req, num_computed):
+                self._tables_to_reset.add(req.request_id)
+        return tokens
 
     def _check_stop(self, req: Request, token_id: int) -> bool:
         """Length first (as vLLM), then EOS and stop token ids once min_tokens is reached."""
@@ -324,12 +398,15 @@ class Scheduler:
             return True
         return False
 
-    def finish_by_stop_string(self, req: Request, stop_str: str) -> None:
+    def finish_by_stop_string(self, req: Request, stop_str: str, num_dropped: int = 0) -> None:
         """A stop string completed in the request's text (the detokenizer saw it this step).
 
         It wins over a length or token stop decided in the same step (as in vLLM); a request
-        still running is finished and its blocks are freed now.
+        still running is finished and its blocks are freed now. num_dropped: tokens of this
+        step after the one that completed it (accepted drafts), taken off the request.
         """
+        if num_dropped:
+            del req.all_token_ids[len(req.all_token_ids) - num_dropped :]
         if req.finished:  # stopped in update_from_output: its blocks are already free
             req.status = RequestStatus.FINISHED_STOPPED
         else:
@@ -357,5 +434,6 @@ class Scheduler:
 
     def _free_finished(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
+        self._tables_to_reset.discard(req.request_id)
         del self.requests[req.request_id]
         self.finished_req_ids.append(req.request_id)

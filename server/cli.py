@@ -44,6 +44,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=list(QUANTIZATION_METHODS),
         help="int8: W8A8 decoder linears (per-channel weight, per-token activation scales)",
     )
+    p.add_argument(
+        "--speculative-config",
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+    )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
     p.add_argument(

@@ -157,6 +157,17 @@ class Metrics:
         )
         for reason in FINISHED_REASONS:
             self.request_success.labels(self.model_name, reason)
+        self.spec_drafts = c("spec_decode_num_drafts", "Requests that ran draft tokens, per step.")
+        self.spec_draft_tokens = c("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted_tokens = c(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted by verification."
+        )
+        self.spec_accepted_per_pos = Counter(
+            P + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the draft (0 is the first).",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
 
     def _add_histograms(self, token_buckets: list[int]) -> None:
         h = self._histogram
@@ -207,10 +218,19 @@ class Metrics:
         self.prefix_hits.inc(s.prefix_cache_hits)
         if s.num_scheduled_tokens:
             self.iteration_tokens.observe(s.num_scheduled_tokens)
+        if s.num_spec_drafts:
+            self._observe_spec(s)
         for itl in s.inter_token_latencies:
             self.itl.observe(itl)
         for m, reason in zip(s.finished, s.finished_reasons):
             self.observe_finished(m, reason)
+
+    def _observe_spec(self, s: StepStats) -> None:
+        self.spec_drafts.inc(s.num_spec_drafts)
+        self.spec_draft_tokens.inc(s.num_spec_draft_tokens)
+        self.spec_accepted_tokens.inc(s.num_spec_accepted_tokens)
+        for pos, n in enumerate(s.num_spec_accepted_tokens_per_pos):
+            self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(n)
 
     def observe_finished(self, m: RequestMetrics, reason: str) -> None:
         self.request_success.labels(self.model_name, reason).inc()
