@@ -233,8 +233,15 @@ def _generate(path, monkeypatch, packed: str, dtype: str = "bfloat16"):
     return llm, outs
 
 
-def _first_logprobs(outs) -> list[float]:
-    return [o.logprobs[0][o.token_ids[0]].logprob for o in outs]
+def _logprob_gaps(outs, ref_outs) -> list[float]:
+    """|logprob packed - logprob dequantized| of each chosen token while both runs agree."""
+    gaps = []
+    for a, b in zip(outs, ref_outs):
+        for la, lb in zip(a.logprobs, b.logprobs):
+            if la.token_id != lb.token_id:
+                break
+            gaps.append(abs(la.logprob - lb.logprob))
+    return gaps
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
@@ -247,7 +254,7 @@ def test_tiny_gguf_served_packed_agrees_with_the_dequantized_path(qtype, tmp_pat
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.quant, GGUFWeights) and qkv.weight is None
     assert isinstance(model.lm_head.quant, GGUFWeights)  # untied: the output tensor
-    assert any(f"gguf: 14 of 14 decoder linears packed ({qtype} x14)" in r.message
+    assert any(f"gguf: 8 of 8 decoder linears packed ({qtype} x8)" in r.message
                for r in caplog.records)
     assert (cache.glob(f"*/{BLOCKS_FILE}").__next__()).is_file()
     _, ref_outs = _generate(path, monkeypatch, "0")
@@ -258,13 +265,14 @@ def test_tiny_gguf_served_packed_agrees_with_the_dequantized_path(qtype, tmp_pat
     want = [o.token_ids for o in ref_outs]
     same_first = sum(g[0] == w[0] for g, w in zip(got, want))
     same_all = sum(g == w for g, w in zip(got, want))
-    print(f"{qtype}: first token equal on {same_first}/6 prompts, all {MAX_NEW} on {same_all}/6")
+    gaps = _logprob_gaps(packed_outs, ref_outs)
+    print(f"{qtype}: first token equal on {same_first}/6 prompts, all {MAX_NEW} on {same_all}/6, "
+          f"chosen-token logprob gap max {max(gaps):.4f} mean {np.mean(gaps):.4f}")
     assert same_first >= 5 and same_all >= 3
-    # the chosen token's logprob: the int8 activations move it by far less than a bf16 step of
-    # the logits would allow a different answer to win
-    for a, b, g, w in zip(_first_logprobs(packed_outs), _first_logprobs(ref_outs), got, want):
-        if g[0] == w[0]:
-            assert abs(a - b) < 0.05 + 0.05 * abs(b)
+    # int8 activations per 32-block (relative error <= 1/254 per element) move a logprob by
+    # a few hundredths on average, tenths at most, in these models (the random K-type ones have
+    # flat distributions); a wrong kernel moves them by whole units
+    assert max(gaps) < 0.3 and np.mean(gaps) < 0.03
 
 
 def test_float32_keeps_the_dequantized_exact_path(tmp_path, cache, monkeypatch):
