@@ -155,11 +155,11 @@ def test_dequantize_op_equals_the_torch_dequantization(qtype, dtype, ops):
 
 
 def test_weights_module_fuses_same_type_parts_and_keeps_mixed_ones_apart(ops):
-    from engine.layers.gguf_quant import _parts
+    from engine.layers.gguf_quant import pack_parts
 
     raws = [("Q5_0", random_blocks("Q5_0", 24, 256, 1)), ("Q5_0", random_blocks("Q5_0", 8, 256, 2)),
             ("Q8_0", random_blocks("Q8_0", 8, 256, 3))]
-    parts = _parts(raws)
+    parts = pack_parts(raws)
     assert [(p.qtype, p.out_features) for p in parts] == [("Q5_0", 32), ("Q8_0", 8)]
     w = np.concatenate([reference_weight(t, r) for t, r in raws])
     bias = torch.randn(40)

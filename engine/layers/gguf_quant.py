@@ -35,9 +35,9 @@ logger = logging.getLogger(__name__)
 
 BLOCKS_FILE = "gguf_blocks.bin"  # safetensors format; not *.safetensors, so not read as weights
 LANES, BLOCK = 16, 32
-# Rows up to this run the integer kernel; more dequantize and run one matmul
-# (bench/quantization.py --gguf prints both around it).
-VNNI_MAX_ROWS = 32
+# Rows up to this run the integer kernel; more dequantize the weight and run one bf16 matmul,
+# which only pays off for long prefill chunks (bench/quantization.py --gguf prints M=1 and 64).
+VNNI_MAX_ROWS = 256
 GGUF_PACKED_ENV = "PAGEDSERVE_GGUF_PACKED"  # auto (default), 1: always, 0: never
 
 
@@ -327,9 +327,9 @@ def mark_gguf(model: nn.Module, model_dir: Path) -> int:
     in a type of GGUF_TYPES, with their parts; returns how many. Nothing when the folder has no
     BLOCKS_FILE, packing is off ($PAGEDSERVE_GGUF_PACKED=0; or auto and float32 or not on CPU:
     float32 is the exact mode, whose tokens equal transformers' on the dequantized weights), or
-    under tensor parallelism. Tensors of other types stay dequantized, said in one log line."""
+    under tensor parallelism or off the CPU (even with $PAGEDSERVE_GGUF_PACKED=1). Tensors of
+    other types stay dequantized, said in one log line."""
     from engine.distributed import get_tp
-    from engine.layers.linear import Linear
 
     path = Path(model_dir) / BLOCKS_FILE
     param = next(model.parameters())
@@ -337,8 +337,9 @@ def mark_gguf(model: nn.Module, model_dir: Path) -> int:
     auto_off = param.device.type != "cpu" or param.dtype == torch.float32
     if not path.is_file() or mode == "off" or (mode == "auto" and auto_off):
         return 0
-    if get_tp().world_size > 1:
-        logger.info("gguf: packed weights are not served with tensor parallelism: dequantized")
+    if get_tp().world_size > 1 or param.device.type != "cpu":
+        # the packed tensors live on the CPU, and the linears bind without the all-reduce
+        logger.info("gguf: packed weights are served on one CPU rank only: dequantized")
         return 0
     from safetensors import safe_open
 
@@ -354,7 +355,7 @@ def mark_gguf(model: nn.Module, model_dir: Path) -> int:
                 for s in sources:
                     skipped[s] = types[s]
                 continue
-            parts = _parts([(types[s], f.get_tensor(s).numpy()) for s in sources])
+            parts = pack_parts([(types[s], f.get_tensor(s).numpy()) for s in sources])
             if sum(p.out_features for p in parts) != module.out_features or any(
                 p.in_features != module.in_features for p in parts
             ):
@@ -368,7 +369,6 @@ def mark_gguf(model: nn.Module, model_dir: Path) -> int:
             len(skipped), ", ".join(kinds), ", ".join(GGUF_TYPES),
         )
     _tie_embedding(model)
-    assert all(isinstance(m, Linear) for _, m in _packable(model))
     return marked
 
 
@@ -398,7 +398,7 @@ def _sources(name: str, types: dict[str, str]) -> list[str] | None:
     return names if all(n in types for n in names) else None
 
 
-def _parts(tensors: list[tuple[str, np.ndarray]]) -> list[PackedQuant]:
+def pack_parts(tensors: list[tuple[str, np.ndarray]]) -> list[PackedQuant]:
     """Consecutive tensors of one type fuse into one part (their rows concatenated)."""
     parts: list[PackedQuant] = []
     i = 0

@@ -332,26 +332,42 @@ Weights check_weights(const at::Tensor& qs, const std::optional<at::Tensor>& qh,
                  blocks, qs.size(2), nh, sub, static_cast<int>(bits), static_cast<float>(zero)};
 }
 
+// The 8 quant vectors of one block as bytes: tmp[v * 64 + l * 4 + i].
+PAGEDSERVE_INLINE void decode_bytes(const Weights& w, const uint8_t* qs, const uint8_t* qh,
+                                    uint8_t* tmp) {
+#ifdef PAGEDSERVE_GGUF_VNNI
+  __m512i wv[8];
+  switch (w.bits) {
+    case 8: decode_block<8>(qs, qh, wv); break;
+    case 4: decode_block<4>(qs, qh, wv); break;
+    case 5: decode_block<5>(qs, qh, wv); break;
+    default: decode_block<6>(qs, qh, wv); break;
+  }
+  for (int v = 0; v < 8; ++v) _mm512_storeu_si512(tmp + v * 64, wv[v]);
+#else
+  for (int v = 0; v < 8; ++v)
+    for (int i = 0; i < 64; ++i) tmp[v * 64 + i] = static_cast<uint8_t>(quant_at(w, qs, qh, v, i));
+#endif
+}
+
 template <typename T>
 void dequantize_group(const Weights& w, int64_t g, T* out, int64_t ldo) {
   const int64_t n0 = g * kLanes, lanes = std::min(kLanes, w.n - n0);
+  const int64_t per_block = kBlock / w.sub;
   const uint8_t* qs_g = w.qs + g * w.group_qs();
   const uint8_t* qh_g = w.qh != nullptr ? w.qh + g * w.group_qh() : nullptr;
+  alignas(64) uint8_t tmp[8 * 64];
   for (int64_t b = 0; b < w.blocks; ++b) {
-    const uint8_t* qs = qs_g + b * w.nq * 64;
-    const uint8_t* qh = qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr;
+    decode_bytes(w, qs_g + b * w.nq * 64, qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr, tmp);
     for (int64_t l = 0; l < lanes; ++l) {
       T* row = out + (n0 + l) * ldo + b * kBlock;
-      for (int v = 0; v < 8; ++v)
-        for (int i = 0; i < 4; ++i) {
-          const int64_t kk = v * 4 + i;
-          const float s = w.scales[(g * w.subs() + (b * kBlock + kk) / w.sub) * kLanes + l];
-          const float u = static_cast<float>(quant_at(w, qs, qh, v, static_cast<int>(l * 4 + i)));
-          // the torch reference's (and gguf-py's) rounding: s * u + m, or s * (u - zero)
-          row[kk] = from_f<T>(w.mins != nullptr
-                                  ? s * u + w.mins[(g * w.blocks + b) * kLanes + l]
-                                  : s * (u - w.zero));
-        }
+      const float m = w.mins != nullptr ? w.mins[(g * w.blocks + b) * kLanes + l] : 0.0f;
+      for (int64_t kk = 0; kk < kBlock; ++kk) {
+        const float s = w.scales[(g * w.subs() + b * per_block + kk / w.sub) * kLanes + l];
+        const float u = static_cast<float>(tmp[(kk / 4) * 64 + l * 4 + kk % 4]);
+        // the torch reference's (and gguf-py's) rounding: s * u + m, or s * (u - zero)
+        row[kk] = from_f<T>(w.mins != nullptr ? s * u + m : s * (u - w.zero));
+      }
     }
   }
 }
