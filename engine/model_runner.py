@@ -49,9 +49,9 @@ def load_model(
     model = get_model_class(hf_config)(hf_config, backend)
     load_checked(model, model_dir)  # ValueError naming the file and tensor that do not fit
     model = model.to(device=device, dtype=dtype).eval()
-    mark_quantized(model, quantization)
+    marked = mark_quantized(model, quantization, model_dir)  # a GGUF's blocks: gguf_quant.py
     select_impls(model, load_cpu_ops() if device.type == "cpu" else None)
-    if quantization is not None:
+    if marked:
         logger.info("%s", describe_quantized(model))
     return model
 

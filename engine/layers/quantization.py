@@ -15,6 +15,9 @@ AVX-512 VNNI or its portable loop) runs it on a packed copy; elsewhere the torch
 (same math, float32 sums of the integers) does.
 
     mark_quantized(model, "int8")   # before select_impls: Linear.select() then binds int8
+
+Without a method, a model folder converted from a GGUF file serves its quantized linears packed
+(engine/layers/gguf_quant.py, mark_gguf); the same Linear.select() seam binds them.
 """
 
 from __future__ import annotations
@@ -24,19 +27,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import QUANTIZATION_METHODS
+from engine.layers.gguf_quant import GGUFWeights, describe_gguf, mark_gguf, select_gguf
 
 INT8_CPU, INT8_NATIVE = "int8_cpu", "int8_native"  # Linear.impl once quantized
 LANES, GROUP = 16, 4  # the packed layout: 16 output channels x 4 consecutive k per vector
 
 
-def mark_quantized(model: nn.Module, method: str | None) -> int:
+def mark_quantized(model: nn.Module, method: str | None, model_dir=None) -> int:
     """Marks every Linear inside model.model.layers for `method`; returns how many.
 
-    Embedding and lm_head (a tied lm_head shares the embedding's tensor) are left as they are."""
+    Embedding and lm_head (a tied lm_head shares the embedding's tensor) are left as they are.
+    method None: the GGUF blocks of model_dir, if it has them, are marked (mark_gguf)."""
     from engine.layers.linear import Linear
 
     if method is None:
-        return 0
+        return 0 if model_dir is None else mark_gguf(model, model_dir)
     if method not in QUANTIZATION_METHODS:
         supported = list(QUANTIZATION_METHODS)
         raise ValueError(f"quantization must be one of {supported}, got {method!r}")
@@ -129,6 +134,8 @@ class Int8Weights(nn.Module):
 
 def select_quantized(linear: nn.Module, ops) -> None:
     """Binds linear (an engine.layers.Linear marked by mark_quantized) to its int8 weights."""
+    if linear.quantization == "gguf":
+        return select_gguf(linear, ops)
     assert linear.quantization == "int8", linear.quantization
     on_cpu = linear.weight.device.type == "cpu"
     kernel_ops = ops if ops is not None and on_cpu else None
@@ -145,6 +152,8 @@ def describe_quantized(model: nn.Module) -> str:
 
     linears = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
     quantized = [m for m in linears if getattr(m, "quant", None) is not None]
+    if any(isinstance(getattr(m, "quant", None), GGUFWeights) for m in [*linears, model.lm_head]):
+        return describe_gguf(model)
     kernel = quantized[0].ops.int8_kernel() if quantized and quantized[0].ops else "torch"
     mb = linear_weight_bytes(model)["int8"] / 2**20
     return (
@@ -155,17 +164,17 @@ def describe_quantized(model: nn.Module) -> str:
 
 def linear_weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of the decoder layers' linear weights as they are held now, by kind:
-    int8 (Int8Weights.num_bytes) and float (weight and bias elements at their dtype; a packed
-    bf16 linear counts one copy, its logical size)."""
+    int8 (Int8Weights.num_bytes), gguf (GGUFWeights.num_bytes) and float (weight and bias
+    elements at their dtype; a packed bf16 linear counts one copy, its logical size)."""
     from engine.layers.linear import Linear
 
-    sizes = {"int8": 0, "float": 0}
+    sizes = {"int8": 0, "gguf": 0, "float": 0}
     for module in model.model.layers.modules():
         if not isinstance(module, Linear):
             continue
         quant = getattr(module, "quant", None)
         if quant is not None:
-            sizes["int8"] += quant.num_bytes()
+            sizes["gguf" if isinstance(quant, GGUFWeights) else "int8"] += quant.num_bytes()
         else:
             elem = 2 if module.packed is not None else module.weight.element_size()
             sizes["float"] += module.in_features * module.out_features * elem

@@ -61,6 +61,17 @@ void int8_linear(
 std::string int8_kernel();
 bool set_int8_portable(bool portable);
 
+// gguf_quant.cpp
+void gguf_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qs,
+                 const std::optional<at::Tensor>& qh, const at::Tensor& scales,
+                 const std::optional<at::Tensor>& mins, int64_t bits, int64_t zero,
+                 const std::optional<at::Tensor>& bias);
+void gguf_dequantize(const at::Tensor& out, const at::Tensor& qs,
+                     const std::optional<at::Tensor>& qh, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& mins, int64_t bits, int64_t zero);
+std::string gguf_kernel();
+bool set_gguf_portable(bool portable);
+
 // decode_layers.cpp
 at::Tensor decode_layers(
     const at::Tensor& embeds, const at::Tensor& positions, const at::Tensor& cos_sin,

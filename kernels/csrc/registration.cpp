@@ -27,6 +27,10 @@
 //   quant_linear.cpp
 //     int8_linear              W8A8: out = x @ W^T, W int8 per channel, x quantized per token
 //     int8_kernel / set_int8_portable   which int8 path runs (VNNI or portable); force portable
+//   gguf_quant.cpp
+//     gguf_linear              out = x @ W^T, W a GGUF quant type re-packed at load
+//     gguf_dequantize          such a W as a float [N, K] (the many-row path)
+//     gguf_kernel / set_gguf_portable   which path runs (VNNI or portable); force portable
 //   decode_layers.cpp
 //     decode_layers            one decode step through every decoder layer
 // A new kernel family is one more .cpp here (declared in ops.h) and its m.def lines below.
@@ -63,4 +67,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("int8_linear", &int8_linear);
   m.def("int8_kernel", &int8_kernel);
   m.def("set_int8_portable", &set_int8_portable);
+  m.def("gguf_linear", &gguf_linear);
+  m.def("gguf_dequantize", &gguf_dequantize);
+  m.def("gguf_kernel", &gguf_kernel);
+  m.def("set_gguf_portable", &set_gguf_portable);
 }

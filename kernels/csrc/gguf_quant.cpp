@@ -1,0 +1,420 @@
+// GGUF-quantized linears served packed: gguf_linear, gguf_dequantize, gguf_kernel,
+// set_gguf_portable. out[M, N] = x[M, K] @ W[N, K]^T where W stays in its quantized form.
+//
+// engine/layers/gguf_quant.py re-packs every GGUF type at load into one layout of unsigned
+// quants u (bits = 4, 5, 6 or 8 per weight) with float32 scales, so one kernel serves them all:
+//   W[n, k] = s[n, k / sub] * (u[n, k] - zero)           (Q8_0 128, Q4_0 8, Q5_0 16, Q6_K 32)
+//   W[n, k] = s[n, k / sub] * u[n, k] + m[n, k / 32]     (the types with a min: Q4_1, Q5_1, Q4_K)
+// sub = 32 (16 for Q6_K, whose scales cover 16 weights). Channels go in groups of 16 and k in
+// blocks of 32; one 64-byte vector holds four consecutive k of the 16 channels (vpdpbusd's
+// operand layout, as in quant_linear.cpp):
+//   qs [G, B, 4 or 8, 64]  8 bits: vector v is k 4v..4v+3 of the block; fewer bits: the low
+//                          nibble of vector v is k 4v.., the high nibble k 4(v+4)..
+//   qh [G, B, 1 or 2, 64]  5 bits: bit v of a byte is bit 4 of vector v's quant;
+//                          6 bits: bits 2t, 2t+1 of vector h are bits 4-5 of vector 4h + t's
+//   scales [G, B * 32 / sub, 16], mins [G, B, 16] (float32)
+// x is quantized here per 32-block as llama.cpp's Q8_0 activations are: d = max|x| / 127,
+// q = round-half-even(x / d). The integer dot of u and q over a (sub-)block is exact; with
+// xsum = sum q it gives sum_k W x = d * (s * dot + (m or -zero * s) * xsum). Each output is
+// rounded once to x's dtype. AVX-512 VNNI where the build has it, a portable loop elsewhere
+// (or when set_gguf_portable). Many rows go to gguf_dequantize + a bf16 matmul (the Python side
+// picks, bench/quantization.py measures the threshold).
+#include "common.h"
+#include "ops.h"
+
+#include <optional>
+#include <string>
+
+namespace pagedserve_cpu {
+namespace {
+
+constexpr int64_t kLanes = 16;  // output channels per group
+constexpr int64_t kBlock = 32;  // k per block
+constexpr int kRows = 4;        // rows sharing one weight decode
+
+std::atomic<bool> g_portable{false};
+
+// x quantized per 32-block: q int8 [M, K]; per (row, sub-block) the float factors of the dot
+// (xd = d) and of the sum (xc = d * xsum, times -zero for the types without a min).
+struct ActRows {
+  std::vector<int8_t> q;
+  std::vector<float> xd, xc;  // [M, K / sub]
+  int64_t k, subs;
+};
+
+template <typename T>
+void quantize_act_row(const T* x, int64_t k, int64_t sub, float cfac, int8_t* q, float* xd,
+                      float* xc) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const T* xb = x + b * kBlock;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(to_f(xb[i])));
+    const float d = amax / 127.0f;
+    int8_t* qb = q + b * kBlock;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      // a division (not a multiply by 1/d) rounds as the torch oracle's does
+      const float v = d == 0.0f ? 0.0f : std::nearbyint(to_f(xb[i]) / d);
+      qb[i] = static_cast<int8_t>(std::fmin(std::fmax(v, -127.0f), 127.0f));
+    }
+    for (int64_t s = 0; s < kBlock / sub; ++s) {
+      int32_t sum = 0;
+      for (int64_t i = s * sub; i < (s + 1) * sub; ++i) sum += qb[i];
+      const int64_t j = b * (kBlock / sub) + s;
+      xd[j] = d;
+      xc[j] = d * (static_cast<float>(sum) * cfac);
+    }
+  }
+}
+
+template <typename T>
+ActRows quantize_act(const at::Tensor& x, int64_t sub, float cfac) {
+  const int64_t m = x.size(0), k = x.size(1), ldx = x.stride(0), subs = k / sub;
+  ActRows a{std::vector<int8_t>(m * k), std::vector<float>(m * subs), std::vector<float>(m * subs),
+            k, subs};
+  const T* xp = x.data_ptr<T>();
+  at::parallel_for(0, m, row_grain(k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      quantize_act_row(xp + r * ldx, k, sub, cfac, a.q.data() + r * k, a.xd.data() + r * subs,
+                       a.xc.data() + r * subs);
+  });
+  return a;
+}
+
+struct Weights {
+  const uint8_t* qs;
+  const uint8_t* qh;  // nullptr for 4 and 8 bits
+  const float* scales;
+  const float* mins;  // nullptr for the types without a min
+  int64_t n, k, blocks, nq, nh, sub;
+  int bits;
+  float zero;
+  int64_t group_qs() const { return blocks * nq * 64; }
+  int64_t group_qh() const { return blocks * nh * 64; }
+  int64_t subs() const { return k / sub; }
+};
+
+// The unsigned quant of byte i (channel i / 4, k 4v + i % 4 of the block) of vector v.
+PAGEDSERVE_INLINE int32_t quant_at(const Weights& w, const uint8_t* qs, const uint8_t* qh, int v,
+                                   int i) {
+  if (w.bits == 8) return qs[v * 64 + i];
+  int32_t u = v < 4 ? (qs[v * 64 + i] & 0x0F) : (qs[(v - 4) * 64 + i] >> 4);
+  if (w.bits == 5) u |= ((qh[i] >> v) & 1) << 4;
+  if (w.bits == 6) u |= ((qh[(v / 4) * 64 + i] >> (2 * (v % 4))) & 3) << 4;
+  return u;
+}
+
+template <typename T>
+PAGEDSERVE_INLINE void store_row(const float* acc, int64_t n0, int64_t lanes, const T* bias,
+                                 T* out_row) {
+  for (int64_t l = 0; l < lanes; ++l) {
+    float y = acc[l];
+    if (bias != nullptr) y += to_f(bias[n0 + l]);
+    out_row[n0 + l] = from_f<T>(y);
+  }
+}
+
+template <typename T>
+void portable_group(const Weights& w, const ActRows& a, int64_t g, int64_t m0, int64_t m1,
+                    const T* bias, T* out, int64_t ldo) {
+  const uint8_t* qs_g = w.qs + g * w.group_qs();
+  const uint8_t* qh_g = w.qh != nullptr ? w.qh + g * w.group_qh() : nullptr;
+  const int64_t n0 = g * kLanes, lanes = std::min(kLanes, w.n - n0);
+  const int64_t per_block = kBlock / w.sub, groups_per_sub = 8 / per_block;
+  for (int64_t m = m0; m < m1; ++m) {
+    float acc[kLanes] = {};
+    const int8_t* xq = a.q.data() + m * a.k;
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const uint8_t* qs = qs_g + b * w.nq * 64;
+      const uint8_t* qh = qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr;
+      for (int64_t s = 0; s < per_block; ++s) {
+        const int64_t j = b * per_block + s;
+        const float* sc = w.scales + (g * w.subs() + j) * kLanes;
+        for (int64_t l = 0; l < kLanes; ++l) {
+          int32_t dot = 0;
+          for (int64_t v = s * groups_per_sub; v < (s + 1) * groups_per_sub; ++v)
+            for (int i = 0; i < 4; ++i)
+              dot += quant_at(w, qs, qh, static_cast<int>(v), static_cast<int>(l * 4 + i)) *
+                     xq[b * kBlock + v * 4 + i];
+          const float xd = a.xd[m * a.subs + j], xc = a.xc[m * a.subs + j];
+          if (w.mins != nullptr)
+            acc[l] += sc[l] * (static_cast<float>(dot) * xd) +
+                      w.mins[(g * w.blocks + b) * kLanes + l] * xc;
+          else
+            acc[l] += sc[l] * (static_cast<float>(dot) * xd + xc);
+        }
+      }
+    }
+    store_row(acc, n0, lanes, bias, out + m * ldo);
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PAGEDSERVE_GGUF_VNNI 1
+
+// Bits 4-5 (6-bit types) or bit 4 (5-bit) of vector v's quants from the high-bit vectors.
+template <int Bits>
+PAGEDSERVE_INLINE __m512i high_bits(const uint8_t* qh, int v) {
+  if constexpr (Bits == 5) {
+    const __m512i h = _mm512_loadu_si512(qh);
+    const __m512i bit = v <= 4 ? _mm512_slli_epi16(h, 4 - v) : _mm512_srli_epi16(h, v - 4);
+    return _mm512_and_si512(bit, _mm512_set1_epi8(0x10));
+  } else {
+    const __m512i h = _mm512_loadu_si512(qh + (v / 4) * 64);
+    const int shift = 2 * (v % 4);  // bits shift, shift+1 -> 4, 5
+    const __m512i bits =
+        shift <= 4 ? _mm512_slli_epi16(h, 4 - shift) : _mm512_srli_epi16(h, shift - 4);
+    return _mm512_and_si512(bits, _mm512_set1_epi8(0x30));
+  }
+}
+
+// The 8 quant vectors of one block (16 channels x 32 k).
+template <int Bits>
+PAGEDSERVE_INLINE void decode_block(const uint8_t* qs, const uint8_t* qh, __m512i* wv) {
+  if constexpr (Bits == 8) {
+    for (int v = 0; v < 8; ++v) wv[v] = _mm512_loadu_si512(qs + v * 64);
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int v = 0; v < 4; ++v) {
+      const __m512i t = _mm512_loadu_si512(qs + v * 64);
+      wv[v] = _mm512_and_si512(t, low);
+      wv[v + 4] = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
+    }
+    if constexpr (Bits == 5 || Bits == 6)
+      for (int v = 0; v < 8; ++v) wv[v] = _mm512_or_si512(wv[v], high_bits<Bits>(qh, v));
+  }
+}
+
+// R rows (R <= kRows) of one channel group: each block is decoded once for all R rows.
+template <int R, int Bits, bool Mins, int PerBlock, typename T>
+PAGEDSERVE_INLINE void vnni_rows(const Weights& w, const ActRows& a, int64_t g, int64_t m0,
+                                 const T* bias, T* out, int64_t ldo) {
+  constexpr int kPerSub = 8 / PerBlock;  // vectors per scale
+  const uint8_t* qs_g = w.qs + g * w.group_qs();
+  const uint8_t* qh_g = w.qh != nullptr ? w.qh + g * w.group_qh() : nullptr;
+  const float* sc_g = w.scales + g * w.subs() * kLanes;
+  const float* mn_g = Mins ? w.mins + g * w.blocks * kLanes : nullptr;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m512i wv[8];
+    decode_block<Bits>(qs_g + b * w.nq * 64, qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr,
+                       wv);
+    for (int s = 0; s < PerBlock; ++s) {
+      const int64_t j = b * PerBlock + s;
+      const __m512 sc = _mm512_loadu_ps(sc_g + j * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = a.q.data() + (m0 + r) * a.k + b * kBlock;
+        __m512i dot = _mm512_setzero_si512();
+        for (int v = s * kPerSub; v < (s + 1) * kPerSub; ++v) {
+          int32_t four;
+          std::memcpy(&four, xq + v * 4, 4);
+          dot = _mm512_dpbusd_epi32(dot, wv[v], _mm512_set1_epi32(four));
+        }
+        const int64_t at = (m0 + r) * a.subs + j;
+        const __m512 xd = _mm512_set1_ps(a.xd[at]), xc = _mm512_set1_ps(a.xc[at]);
+        const __m512 dx = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), xd);
+        if constexpr (Mins) {
+          acc[r] = _mm512_fmadd_ps(sc, dx, acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(mn_g + b * kLanes), xc, acc[r]);
+        } else {
+          acc[r] = _mm512_fmadd_ps(sc, _mm512_add_ps(dx, xc), acc[r]);
+        }
+      }
+    }
+  }
+  const int64_t n0 = g * kLanes, lanes = std::min(kLanes, w.n - n0);
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float tmp[kLanes];
+    _mm512_store_ps(tmp, acc[r]);
+    store_row(tmp, n0, lanes, bias, out + (m0 + r) * ldo);
+  }
+}
+
+template <int Bits, bool Mins, int PerBlock, typename T>
+void vnni_group(const Weights& w, const ActRows& a, int64_t g, int64_t m0, int64_t m1,
+                const T* bias, T* out, int64_t ldo) {
+  int64_t m = m0;
+  for (; m + kRows <= m1; m += kRows) vnni_rows<kRows, Bits, Mins, PerBlock>(w, a, g, m, bias, out, ldo);
+  switch (m1 - m) {
+    case 3: vnni_rows<3, Bits, Mins, PerBlock>(w, a, g, m, bias, out, ldo); break;
+    case 2: vnni_rows<2, Bits, Mins, PerBlock>(w, a, g, m, bias, out, ldo); break;
+    case 1: vnni_rows<1, Bits, Mins, PerBlock>(w, a, g, m, bias, out, ldo); break;
+    default: break;
+  }
+}
+
+// The template for this weight format; nullptr for a combination no GGUF type has.
+template <typename T>
+using GroupFn = void (*)(const Weights&, const ActRows&, int64_t, int64_t, int64_t, const T*, T*,
+                         int64_t);
+
+template <typename T>
+GroupFn<T> vnni_for(const Weights& w) {
+  const bool mins = w.mins != nullptr;
+  const int per_block = static_cast<int>(kBlock / w.sub);
+  if (per_block == 2) return w.bits == 6 && !mins ? &vnni_group<6, false, 2, T> : nullptr;
+  if (per_block != 1) return nullptr;
+  switch (w.bits) {
+    case 8: return mins ? nullptr : &vnni_group<8, false, 1, T>;
+    case 4: return mins ? &vnni_group<4, true, 1, T> : &vnni_group<4, false, 1, T>;
+    case 5: return mins ? &vnni_group<5, true, 1, T> : &vnni_group<5, false, 1, T>;
+    case 6: return mins ? &vnni_group<6, true, 1, T> : &vnni_group<6, false, 1, T>;
+    default: return nullptr;
+  }
+}
+#endif
+
+bool use_vnni() {
+#ifdef PAGEDSERVE_GGUF_VNNI
+  return !g_portable.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
+// Work items are (channel group, row tile): rows in tiles of 64 keep a group's weights in L1
+// while every row tile passes over them.
+template <typename T>
+void run_gguf(const Weights& w, const ActRows& a, const T* bias, T* out, int64_t ldo, int64_t m) {
+  constexpr int64_t kRowTile = 64;
+  const int64_t groups = (w.n + kLanes - 1) / kLanes;
+  const int64_t tiles = (m + kRowTile - 1) / kRowTile;
+  GroupFn<T> fast = nullptr;
+#ifdef PAGEDSERVE_GGUF_VNNI
+  if (use_vnni()) fast = vnni_for<T>(w);
+#endif
+  WorkQueue(groups * tiles).run([&](WorkQueue& queue) {
+    int64_t begin, end;
+    while (queue.take(begin, end)) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t g = item % groups, m0 = (item / groups) * kRowTile;
+        const int64_t m1 = std::min(m, m0 + kRowTile);
+        if (fast != nullptr)
+          fast(w, a, g, m0, m1, bias, out, ldo);
+        else
+          portable_group(w, a, g, m0, m1, bias, out, ldo);
+      }
+    }
+  });
+}
+
+Weights check_weights(const at::Tensor& qs, const std::optional<at::Tensor>& qh,
+                      const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t n,
+                      int64_t bits, int64_t zero, const char* op) {
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, op, ": bits must be 4, 5, 6, 8");
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 4 &&
+                  qs.size(3) == 64 && qs.size(2) == (bits == 8 ? 8 : 4),
+              op, ": qs must be contiguous uint8 [G, B, 4 or 8, 64]");
+  const int64_t groups = qs.size(0), blocks = qs.size(1);
+  TORCH_CHECK(groups == (n + kLanes - 1) / kLanes, op, ": qs has ", groups, " groups for ", n,
+              " outputs");
+  const int64_t nh = bits == 5 ? 1 : bits == 6 ? 2 : 0;
+  TORCH_CHECK(qh.has_value() == (nh > 0), op, ": qh is needed exactly for 5 and 6 bits");
+  if (nh > 0)
+    TORCH_CHECK(qh->scalar_type() == at::kByte && qh->is_contiguous() && qh->dim() == 4 &&
+                    qh->size(0) == groups && qh->size(1) == blocks && qh->size(2) == nh &&
+                    qh->size(3) == 64,
+                op, ": qh must be contiguous uint8 [G, B, ", nh, ", 64]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == groups && scales.size(2) == kLanes,
+              op, ": scales must be contiguous float32 [G, S, 16]");
+  const int64_t k = blocks * kBlock;
+  TORCH_CHECK(scales.size(1) == blocks || scales.size(1) == 2 * blocks, op,
+              ": scales must cover 32 or 16 k each");
+  const int64_t sub = k / scales.size(1);
+  if (mins.has_value())
+    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->dim() == 3 &&
+                    mins->size(0) == groups && mins->size(1) == blocks && mins->size(2) == kLanes,
+                op, ": mins must be contiguous float32 [G, B, 16]");
+  const uint8_t* qh_ptr = nh > 0 ? qh->data_ptr<uint8_t>() : nullptr;
+  const float* mins_ptr = mins.has_value() ? mins->data_ptr<float>() : nullptr;
+  return Weights{qs.data_ptr<uint8_t>(), qh_ptr, scales.data_ptr<float>(), mins_ptr, n, k,
+                 blocks, qs.size(2), nh, sub, static_cast<int>(bits), static_cast<float>(zero)};
+}
+
+// The 8 quant vectors of one block as bytes: tmp[v * 64 + l * 4 + i].
+PAGEDSERVE_INLINE void decode_bytes(const Weights& w, const uint8_t* qs, const uint8_t* qh,
+                                    uint8_t* tmp) {
+#ifdef PAGEDSERVE_GGUF_VNNI
+  __m512i wv[8];
+  switch (w.bits) {
+    case 8: decode_block<8>(qs, qh, wv); break;
+    case 4: decode_block<4>(qs, qh, wv); break;
+    case 5: decode_block<5>(qs, qh, wv); break;
+    default: decode_block<6>(qs, qh, wv); break;
+  }
+  for (int v = 0; v < 8; ++v) _mm512_storeu_si512(tmp + v * 64, wv[v]);
+#else
+  for (int v = 0; v < 8; ++v)
+    for (int i = 0; i < 64; ++i) tmp[v * 64 + i] = static_cast<uint8_t>(quant_at(w, qs, qh, v, i));
+#endif
+}
+
+template <typename T>
+void dequantize_group(const Weights& w, int64_t g, T* out, int64_t ldo) {
+  const int64_t n0 = g * kLanes, lanes = std::min(kLanes, w.n - n0);
+  const int64_t per_block = kBlock / w.sub;
+  const uint8_t* qs_g = w.qs + g * w.group_qs();
+  const uint8_t* qh_g = w.qh != nullptr ? w.qh + g * w.group_qh() : nullptr;
+  alignas(64) uint8_t tmp[8 * 64];
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    decode_bytes(w, qs_g + b * w.nq * 64, qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr, tmp);
+    for (int64_t l = 0; l < lanes; ++l) {
+      T* row = out + (n0 + l) * ldo + b * kBlock;
+      const float m = w.mins != nullptr ? w.mins[(g * w.blocks + b) * kLanes + l] : 0.0f;
+      for (int64_t kk = 0; kk < kBlock; ++kk) {
+        const float s = w.scales[(g * w.subs() + b * per_block + kk / w.sub) * kLanes + l];
+        const float u = static_cast<float>(tmp[(kk / 4) * 64 + l * 4 + kk % 4]);
+        // the torch reference's (and gguf-py's) rounding: s * u + m, or s * (u - zero)
+        row[kk] = from_f<T>(w.mins != nullptr ? s * u + m : s * (u - w.zero));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void gguf_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qs,
+                 const std::optional<at::Tensor>& qh, const at::Tensor& scales,
+                 const std::optional<at::Tensor>& mins, int64_t bits, int64_t zero,
+                 const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "gguf_linear: x must be [M, K], rows contiguous");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 &&
+                  out.scalar_type() == x.scalar_type(),
+              "gguf_linear: out must be [M, N] of x's dtype, rows contiguous");
+  const int64_t m = x.size(0), n = out.size(1);
+  const Weights w = check_weights(qs, qh, scales, mins, n, bits, zero, "gguf_linear");
+  TORCH_CHECK(x.size(1) == w.k, "gguf_linear: x has K=", x.size(1), ", the weight ", w.k);
+  if (bias.has_value())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n &&
+                    bias->scalar_type() == x.scalar_type(),
+                "gguf_linear: bias must be contiguous [N] of x's dtype");
+  if (m == 0) return;
+  const float cfac = mins.has_value() ? 1.0f : -static_cast<float>(zero);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
+    const ActRows a = quantize_act<scalar_t>(x, w.sub, cfac);
+    const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
+    run_gguf<scalar_t>(w, a, b, out.data_ptr<scalar_t>(), out.stride(0), m);
+  });
+}
+
+void gguf_dequantize(const at::Tensor& out, const at::Tensor& qs,
+                     const std::optional<at::Tensor>& qh, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& mins, int64_t bits, int64_t zero) {
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1, "gguf_dequantize: out must be [N, K]");
+  const Weights w = check_weights(qs, qh, scales, mins, out.size(0), bits, zero, "gguf_dequantize");
+  TORCH_CHECK(out.size(1) == w.k, "gguf_dequantize: out has K=", out.size(1), ", the weight ", w.k);
+  const int64_t groups = qs.size(0);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "gguf_dequantize", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) dequantize_group(w, g, o, out.stride(0));
+    });
+  });
+}
+
+std::string gguf_kernel() { return use_vnni() ? "avx512_vnni" : "portable"; }
+
+bool set_gguf_portable(bool portable) { return g_portable.exchange(portable); }
+
+}  // namespace pagedserve_cpu
