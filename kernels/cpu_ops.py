@@ -35,6 +35,20 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") not in ("0", "false", "off")
 
 
+# `pagedserve serve --batch-invariant` sets the first; vLLM's name works too.
+BATCH_INVARIANT_ENV = ("PAGEDSERVE_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT")
+
+
+def batch_invariant() -> bool:
+    """Whether the kernels compute each row in an order that does not depend on the batch: the
+    AMX linears at every row count, and all attention (decode rows too) through the prefill
+    kernel, no cascade. Read when a model loads (kernels/cpu_linear.py, kernels/cpu_backend.py);
+    the cost is measured by bench/batch_invariance.py."""
+    return any(
+        os.environ.get(name, "0") not in ("", "0", "false", "off") for name in BATCH_INVARIANT_ENV
+    )
+
+
 @functools.cache
 def load_cpu_ops():
     """torch.ops.pagedserve_cpu after building (or reusing) the extension; None if it can't."""
