@@ -11,8 +11,10 @@ Llama's shape:
 
 with one full-width rotary (any scaling variant: the kernel reads its cos|sin table) and one eps;
 self_attn may also hold Qwen3's per-head `q_norm` and `k_norm` (RMSNorm, in every layer), which
-the kernel applies before RoPE as the layers do. Any other module inside a layer (extra norms,
-experts), a bias or a norm subclass make it decline.
+the kernel applies before RoPE as the layers do, and qkv_proj a bias (Qwen2, in every layer),
+which the kernel adds in the linear's epilogue as the layers' packed linear does. Any other
+module inside a layer (extra norms, experts), a bias on another linear or a norm subclass make
+it decline.
 """
 
 from __future__ import annotations
@@ -65,7 +67,11 @@ def decoder_stack(model: nn.Module) -> DecoderStack | None:
     weights: list[torch.Tensor | None] = []
     eps = {norm.eps}
     attn = None
-    qk_norm = hasattr(model.model.layers[0].self_attn, "q_norm")  # the same in every layer
+    first = model.model.layers[0].self_attn
+    qk_norm = hasattr(first, "q_norm")  # the same in every layer
+    qkv_bias = getattr(getattr(first, "qkv_proj", None), "packed", None) is not None and (
+        first.qkv_proj.packed.bias is not None
+    )
     for layer in model.model.layers:
         if not _children_are(layer, dict.fromkeys(_LAYER)):
             return None
@@ -77,11 +83,16 @@ def decoder_stack(model: nn.Module) -> DecoderStack | None:
         if any(type(n) is not RMSNorm for n in norms):
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(m.packed is None or m.packed.bias is not None for m in linears):
-            return None  # unpacked (not bf16 on CPU) or with a bias: the kernel has neither
+        if any(m.packed is None for m in linears):
+            return None  # unpacked (not bf16 on CPU): the kernel takes packed weights only
+        biases = [m.packed.bias is not None for m in linears]
+        if biases != [qkv_bias, False, False, False]:
+            return None  # the kernel has a bias on qkv only, in every layer or none
         eps.update(n.eps for n in norms)
         weights += [norms[0].weight, linears[0].kernel_weight]
-        if qk_norm:  # eight weights per layer: the kernel's layout with q/k norms
+        if qkv_bias:  # one more weight per layer, after qkv: the kernel's layout with a bias
+            weights.append(linears[0].packed.bias)
+        if qk_norm:  # two more per layer, after qkv (and its bias): the q/k norms
             weights += [attn.q_norm.weight, attn.k_norm.weight]
             eps.update((attn.q_norm.eps, attn.k_norm.eps))
         weights += [linears[1].kernel_weight, norms[1].weight]

@@ -6,6 +6,13 @@ decode batch; in bf16 where AMX is available the prefill kernel takes every sequ
 than one new token, and the cascade kernel decodes over a shared prefix. fused_decode() runs a
 whole decode step through every layer in one call (ops.decode_layers). The thresholds below are
 chosen by measurement: bench/README.md says how to rerun it (bench/cpu_ab.py).
+
+Batch invariance (kernels.cpu_ops.batch_invariant(), `--batch-invariant`): the decode kernel
+and the prefill kernel reduce a query's keys in different orders, and the cascade merges two
+partial softmaxes, so which one a query meets (a decode step, a one-token prefill chunk, a
+shared prefix in the batch) would change its bits. In this mode every query, decode rows too,
+goes through the prefill kernel, whose per-query result depends on nothing else in the step,
+and the cascade is off; bench/batch_invariance.py measures the check and the cost.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kernels.backend import AttentionMetadata, DecoderStack, FusedDecodeStep
+from kernels.cpu_ops import batch_invariant as batch_invariant_default
 from kernels.reference import TorchAttentionBackend
 
 # Decode batches whose sequences share a prefix at least this long, this many of them, read it
@@ -36,12 +44,31 @@ class CpuAttentionBackend(TorchAttentionBackend):
     supports_cascade = True
     supports_fused_decode = True
 
-    def __init__(self, ops) -> None:
+    def __init__(self, ops, batch_invariant: bool | None = None) -> None:
+        """batch_invariant: None reads kernels.cpu_ops.batch_invariant()."""
         self.ops = ops
+        self.batch_invariant = batch_invariant_default() if batch_invariant is None else (
+            batch_invariant
+        )
         self._prefill_supported: dict[tuple[int, int], bool] = {}
         self._cascade_supported: dict[tuple[int, int, int], bool] = {}
         # the prefill kernel's per-step arguments, built by the first layer, reused by the others
         self._prefill_args: tuple | None = None
+
+    def forward(
+        self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
+        softcap: float = 0.0,
+    ):
+        """Batch-invariant: every sequence, decode rows too, in one call of the prefill kernel."""
+        if self.batch_invariant and self._prefill_kernel_applies(
+            query, k_cache, meta, window, softcap
+        ):
+            out = torch.empty_like(query)
+            seqs = list(range(meta.num_seqs))
+            starts = meta.query_start_loc.tolist()
+            self.prefill(query, k_cache, v_cache, meta, seqs, starts, scale, out, window, softcap)
+            return out
+        return super().forward(query, k_cache, v_cache, meta, scale, window, softcap)
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         if k_cache.device.type == "cpu":
@@ -61,7 +88,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return False
         if k_cache.dtype != torch.bfloat16 or query.stride(1) != query.shape[2]:
             return False
-        key = (query.shape[2], k_cache.shape[1])
+        return self.prefill_shapes_supported(query.shape[2], k_cache.shape[1])
+
+    def prefill_shapes_supported(self, head_dim: int, block_size: int) -> bool:
+        key = (head_dim, block_size)
         if key not in self._prefill_supported:
             self._prefill_supported[key] = bool(self.ops.amx_prefill_supported(*key))
         return self._prefill_supported[key]
@@ -112,7 +142,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ):
         """A plan when the cascade kernel takes this decode batch: a shared prefix of
         CASCADE_MIN_TOKENS over CASCADE_MIN_SEQS sequences, bf16, shapes the AMX kernel covers,
-        full attention without a cap (a window would skip the prefix anyway)."""
+        full attention without a cap (a window would skip the prefix anyway); never when
+        batch-invariant."""
+        if self.batch_invariant:
+            return None
         block_size = k_cache.shape[1]
         if shared_blocks * block_size < CASCADE_MIN_TOKENS or window > 0 or softcap > 0:
             return None
@@ -158,13 +191,17 @@ class CpuFusedDecode(FusedDecodeStep):
             s.num_heads, x.dtype, kv_caches[0][0], meta.block_table, meta.seq_lens,
             meta.decode_shared_blocks,
         )
+        # batch-invariant: the prefill kernel's attention for the one-token queries, where it runs
+        invariant = self.backend.batch_invariant and self.backend.prefill_shapes_supported(
+            s.head_dim, kv_caches[0][0].shape[1]
+        )
         none = x.new_empty(0, dtype=torch.int32)
         prefix_blocks, prefix_len, suffix_table, suffix_lens = plan or (none, 0, none, none)
         return self.backend.ops.decode_layers(
             x, positions, cos_sin, s.layer_weights, [c for kv in kv_caches for c in kv],
             s.final_norm_weight, meta.slot_mapping, meta.block_table, meta.seq_lens, prefix_len,
             prefix_blocks, suffix_table, suffix_lens, s.num_heads, s.num_kv_heads, s.head_dim,
-            s.eps, s.scale,
+            s.eps, s.scale, invariant,
         )
 
 

@@ -7,13 +7,19 @@ the weight once; otherwise to oneDNN with a packing tuned for few rows. Narrow l
 AMX_NARROW_MAX_OUT outputs) take the AMX kernel at every row count, as it splits the output
 columns over all threads. The row and width thresholds come from measurements: bench/README.md
 ("Narrow linears") and bench/cpu_ab.py rerun them. Same math as F.linear: bf16 inputs, float32
-accumulation, one rounding to bf16.
+accumulation, the bias added in float32, one rounding to bf16.
+
+Batch invariance (kernels.cpu_ops.batch_invariant()): the AMX kernel takes every call, so a
+row's result is the same bits at any row count (it runs each row's K loop alone; oneDNN picks
+its blocking by M).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kernels.cpu_ops import batch_invariant
 
 DECODE_ROWS = 32  # packing hint for decode-sized batches
 PREFILL_ROWS = 2048  # packing hint for prefill chunks
@@ -40,23 +46,27 @@ class PackedLinear(nn.Module):
         super().__init__()
         w = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.bias = None if linear.bias is None else linear.bias.detach().to(w.dtype)
         self.large = torch.ops.mkldnn._reorder_linear_weight(w, PREFILL_ROWS)
-        # The AMX kernel rounds its output once; a bias added afterwards would round twice.
-        self.ops = ops if self.bias is None and _amx_fits(ops, w) else None
+        self.ops = ops if _amx_fits(ops, w) else None
         self.amx: torch.Tensor | None = None  # the AMX kernel's packing (ops.decode_layers too)
+        # every row count to the AMX kernel: a row's bits then do not depend on the batch
+        self.amx_max_rows = AMX_MAX_ROWS
         if self.ops is not None:
             self.amx = self.ops.amx_pack_weight(w)
+            if batch_invariant():
+                self.amx_max_rows = 1 << 62
         else:
             self.small = torch.ops.mkldnn._reorder_linear_weight(w, DECODE_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         rows = x.shape[0]
-        if self.ops is not None and x.stride(-1) == 1 and (
-            rows <= AMX_MAX_ROWS or self.out_features <= AMX_NARROW_MAX_OUT
+        if self.ops is not None and (
+            rows <= self.amx_max_rows or self.out_features <= AMX_NARROW_MAX_OUT
         ):
             out = x.new_empty(rows, self.out_features)
-            self.ops.amx_linear(out, x, self.amx)
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            self.ops.amx_linear(out, x, self.amx, self.bias)
             return out
         small = self.ops is None and rows <= SMALL_MAX_ROWS
         packed = self.small if small else self.large

@@ -35,6 +35,22 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") not in ("0", "false", "off")
 
 
+# `pagedserve serve --batch-invariant` sets the first; vLLM's name works too.
+BATCH_INVARIANT_ENV = ("PAGEDSERVE_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT")
+
+
+def batch_invariant() -> bool:
+    """Whether the kernels compute each row in an order that does not depend on the batch: the
+    AMX linears at every row count, and all attention (decode rows too) through the prefill
+    kernel, no cascade. It holds where those kernels cover the model (bf16, AMX, head_dim 64,
+    128 or 256, block_size a multiple of 16); elsewhere the usual paths run. Read when a model
+    loads (kernels/cpu_linear.py, kernels/cpu_backend.py); bench/batch_invariance.py measures
+    the check and the cost."""
+    return any(
+        os.environ.get(name, "0") not in ("", "0", "false", "off") for name in BATCH_INVARIANT_ENV
+    )
+
+
 @functools.cache
 def load_cpu_ops():
     """torch.ops.pagedserve_cpu after building (or reusing) the extension; None if it can't."""

@@ -96,6 +96,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's greedy tokens independent of the batch (CPU kernels; also "
+        "PAGEDSERVE_BATCH_INVARIANT=1 or VLLM_BATCH_INVARIANT=1)",
+    )
+    p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='tool_choice "auto": read tool calls from the text with --tool-call-parser',
@@ -196,6 +202,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    if getattr(args, "batch_invariant", False):  # read by the kernels as the model loads
+        os.environ["PAGEDSERVE_BATCH_INVARIANT"] = "1"
     names = EngineConfig.field_names()
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
 

@@ -1,6 +1,8 @@
 // Small-batch bf16 linear on AMX: amx_pack_weight, amx_linear (and amx_available).
-// out[M, N] = x[M, K] @ W[N, K]^T for decode-sized M, where oneDNN's per-call overhead
-// dominates. W is packed once into AMX's B-tile layout: for each 16 output columns and 32 k,
+// out[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) for decode-sized M, where oneDNN's per-call
+// overhead dominates, and for any M where a row's result must not depend on M (batch
+// invariance): every row runs the same K loop from zeroed float32 tiles, whatever M is, and
+// the bias is added in float32 before the one rounding to bf16. W is packed once into AMX's B-tile layout: for each 16 output columns and 32 k,
 // a 16 x 64-byte tile whose row r holds (W[n][k0+2r], W[n][k0+2r+1]) for n in 0..15.
 // Threads take 32-column chunks (two B tiles, back to back in the packed layout) from a
 // WorkQueue; C tiles 0-3, A tiles 4-5, B tiles 6-7 (amx_configure_square).
@@ -41,6 +43,7 @@ struct LinearCall {
   int64_t nt, kt;  // 16-column weight tiles, 32-wide K steps
   c10::BFloat16* op;
   int64_t os, m;
+  const c10::BFloat16* bias;  // [N] or nullptr
   PAGEDSERVE_INLINE std::pair<const c10::BFloat16*, int64_t> a_tile(int64_t m0) const {
     if (m0 < full_rows) return {xp + m0 * ldx, ldx * 2};
     return {tail, k * 2};
@@ -135,8 +138,14 @@ PAGEDSERVE_INLINE void store_chunk(
       const int64_t row = m0 + mi * 16 + r;
       if (row >= c.m || (mi == 1 && !two_m)) break;
       c10::BFloat16* orow = c.op + row * c.os + ch.n0 * 16;
-      store16(orow, _mm512_loadu_ps(cbuf[mi * 2] + r * 16));
-      if (ch.two) store16(orow + 16, _mm512_loadu_ps(cbuf[mi * 2 + 1] + r * 16));
+      __m512 lo = _mm512_loadu_ps(cbuf[mi * 2] + r * 16);
+      __m512 hi = ch.two ? _mm512_loadu_ps(cbuf[mi * 2 + 1] + r * 16) : _mm512_setzero_ps();
+      if (c.bias != nullptr) {  // in float32, so the output is rounded once
+        lo = _mm512_add_ps(lo, load16(c.bias + ch.n0 * 16));
+        if (ch.two) hi = _mm512_add_ps(hi, load16(c.bias + ch.n0 * 16 + 16));
+      }
+      store16(orow, lo);
+      if (ch.two) store16(orow + 16, hi);
     }
   }
 }
@@ -163,7 +172,9 @@ PAGEDSERVE_INLINE void run_chunks(
   }
 }
 
-void check_amx_linear_args(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
+void check_amx_linear_args(
+    const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+    const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "bf16");
   check_rows(x, "x");
@@ -173,6 +184,10 @@ void check_amx_linear_args(const at::Tensor& out, const at::Tensor& x, const at:
       "packed must come from amx_pack_weight");
   const int64_t m = x.size(0), k = x.size(1), nt = packed.size(0), kt = packed.size(1);
   TORCH_CHECK(kt * 32 == k && out.size(1) == nt * 16 && out.size(0) == m, "shapes");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
+                    bias->dim() == 1 && bias->size(0) == nt * 16,
+                "bias: [N] bf16, contiguous");
 }
 
 }  // namespace
@@ -194,9 +209,10 @@ at::Tensor amx_pack_weight(const at::Tensor& w) {
   return w.contiguous().view({n / 16, 16, k / 32, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous();
 }
 
-void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
+void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                const std::optional<at::Tensor>& bias) {
 #ifdef PAGEDSERVE_AMX
-  check_amx_linear_args(out, x, packed);
+  check_amx_linear_args(out, x, packed, bias);
   LinearCall c;
   c.m = x.size(0), c.k = x.size(1), c.nt = packed.size(0), c.kt = packed.size(1);
   const int64_t m_pad = (c.m + 15) / 16 * 16, k = c.k;
@@ -209,6 +225,7 @@ void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
   c.wp = packed.data_ptr<c10::BFloat16>();
   c.op = out.data_ptr<c10::BFloat16>();
   c.os = out.stride(0);
+  c.bias = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   const int64_t n_chunks = (c.nt + 1) / 2;  // 32 output columns (two B tiles) per chunk
   const auto* w_bytes = reinterpret_cast<const char*>(c.wp);
   auto chunk_bytes = [&](int64_t chunk) {

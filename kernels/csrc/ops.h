@@ -52,7 +52,8 @@ at::Tensor argmax_rows(const at::Tensor& x);
 // linear.cpp
 bool amx_available();
 at::Tensor amx_pack_weight(const at::Tensor& w);
-void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed);
+void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                const std::optional<at::Tensor>& bias = std::nullopt);
 
 // quant_linear.cpp
 void int8_linear(
@@ -79,6 +80,6 @@ at::Tensor decode_layers(
     const at::Tensor& final_norm, const at::Tensor& slot_mapping, const at::Tensor& block_table,
     const at::Tensor& seq_lens, int64_t cascade_prefix_len, const at::Tensor& prefix_blocks,
     const at::Tensor& suffix_table, const at::Tensor& suffix_lens, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
+    int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool batch_invariant);
 
 }  // namespace pagedserve_cpu
