@@ -345,6 +345,11 @@ EXPECTED_FAMILIES = {
     "request_prompt_tokens": "histogram",
     "request_generation_tokens": "histogram",
     "iteration_tokens_total": "histogram",
+    # n-gram speculative decoding (vLLM's names; zero without --speculative-config)
+    "spec_decode_num_drafts": "counter",
+    "spec_decode_num_draft_tokens": "counter",
+    "spec_decode_num_accepted_tokens": "counter",
+    "spec_decode_num_accepted_tokens_per_pos": "counter",
     # connection guard (server/connection_guard.py): our own, beside vLLM's names
     "http_connections_open": "gauge",
     "http_slow_clients_closed": "counter",

@@ -154,7 +154,7 @@ def test_quantized_tiny_model_generates(tiny_model_dir):
 
 def test_mark_quantized_refuses_unknown_method(tiny_model_dir):
     _, model = _tiny_model(tiny_model_dir, None)
-    with pytest.raises(ValueError, match=r"\['int8'\]"):
+    with pytest.raises(ValueError, match=r"\['int8', 'gguf'\]"):
         mark_quantized(model, "fp4")
     assert all(m.quantization is None for m in model.modules() if isinstance(m, Linear))
 
