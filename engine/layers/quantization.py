@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import QUANTIZATION_METHODS
-from engine.layers.gguf_quant import GGUFWeights, describe_gguf, mark_gguf, select_gguf
+from engine.layers.gguf_quant import BLOCKS_FILE, GGUFWeights, describe_gguf, mark_gguf, select_gguf
 
 INT8_CPU, INT8_NATIVE = "int8_cpu", "int8_native"  # Linear.impl once quantized
 LANES, GROUP = 16, 4  # the packed layout: 16 output channels x 4 consecutive k per vector
@@ -41,7 +41,6 @@ def mark_quantized(model: nn.Module, method: str | None, model_dir=None) -> int:
     Embedding and lm_head (a tied lm_head shares the embedding's tensor) are left as they are.
     method "gguf" (or None with $PAGEDSERVE_GGUF_PACKED=1): the linears whose GGUF blocks
     model_dir holds are marked to serve them packed (mark_gguf)."""
-    from engine.layers.gguf_quant import BLOCKS_FILE
     from engine.layers.linear import Linear
 
     if method is None:
