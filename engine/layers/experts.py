@@ -6,6 +6,11 @@ first) and down_proj [E, H, I]; checkpoints that store experts.{e}.gate_proj/up_
 are stacked at load (engine/models/qwen3_moe.py). Under tensor parallelism every rank holds
 every expert with its share of the intermediate size (gate/up rows, down columns) and one
 all-reduce sums the partial outputs, as a row-parallel linear does.
+
+On CPU in bf16 with the C++ kernels (AMX) the experts bind to kernels/csrc/experts.cpp: every
+expert's weights packed once at select() (amx_pack_weight, the unpacked copies dropped) and one
+moe_experts call per layer and step that runs only the experts with routed rows, with the
+oracle's grouping and its rounding of each weighted term and each add.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, get_tp
-from engine.layers.base import NATIVE, KernelLayer
+from engine.layers.base import CPU, NATIVE, KernelLayer
 from engine.layers.linear import _rank_rows, _split
 
 
@@ -46,7 +51,33 @@ class Experts(KernelLayer):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def choose(self, ops) -> str:
-        return NATIVE  # no expert kernel yet: the oracle runs on every device
+        w = self.gate_up_proj
+        fits = self.intermediate_size % 32 == 0 and w.shape[2] % 32 == 0  # amx_pack_weight's
+        if ops is None or w.device.type != "cpu" or w.dtype != torch.bfloat16 or not fits:
+            return NATIVE
+        return CPU if ops.amx_available() else NATIVE
+
+    def select(self, ops) -> None:
+        super().select(ops)
+        if self.impl == CPU:
+            pack = self.ops.amx_pack_weight
+            self.packed_gate_up = torch.stack([pack(w) for w in self.gate_up_proj.detach()])
+            self.packed_down = torch.stack([pack(w) for w in self.down_proj.detach()])
+            self.gate_up_proj, self.down_proj = None, None  # the packed copies replace them
+
+    def forward_cpu(
+        self,
+        x: torch.Tensor,  # [T, H]
+        expert_ids: torch.Tensor,  # [T, k]
+        weights: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:  # [T, H]
+        out = torch.empty_like(x)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        self.ops.moe_experts(
+            out, x, expert_ids.contiguous(), weights.float().contiguous(),
+            self.packed_gate_up, self.packed_down,
+        )
+        return all_reduce(out)
 
     def forward_native(
         self,

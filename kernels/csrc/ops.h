@@ -55,6 +55,11 @@ at::Tensor amx_pack_weight(const at::Tensor& w);
 void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                 const std::optional<at::Tensor>& bias = std::nullopt);
 
+// experts.cpp
+void moe_experts(
+    const at::Tensor& out, const at::Tensor& x, const at::Tensor& expert_ids,
+    const at::Tensor& weights, const at::Tensor& gate_up, const at::Tensor& down);
+
 // quant_linear.cpp
 void int8_linear(
     const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,

@@ -24,6 +24,8 @@
 //     amx_available            whether this build and process may use AMX
 //     amx_pack_weight          a bf16 weight [N, K] in AMX B-tile layout
 //     amx_linear               out = x @ W^T (+ bias) for any rows, W from amx_pack_weight
+//   experts.cpp
+//     moe_experts              routed tokens through their SwiGLU experts, packed by amx_pack_weight
 //   quant_linear.cpp
 //     int8_linear              W8A8: out = x @ W^T, W int8 per channel, x quantized per token
 //     int8_kernel / set_int8_portable   which int8 path runs (VNNI or portable); force portable
@@ -63,6 +65,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("argmax_rows", &argmax_rows);
   m.def("amx_pack_weight", &amx_pack_weight);
   m.def("amx_linear(Tensor out, Tensor x, Tensor packed, Tensor? bias=None) -> ()", &amx_linear);
+  m.def("moe_experts", &moe_experts);
   m.def("decode_layers", &decode_layers);
   m.def("int8_linear", &int8_linear);
   m.def("int8_kernel", &int8_kernel);
