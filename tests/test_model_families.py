@@ -34,7 +34,13 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "rope_scaling": _LONGROPE}),
+    # Phi3Config's own original_max_position_embeddings (4096) overrides the rope dict's: set
+    # both, so max_position_embeddings / 512 = 2 scales cos and sin as longrope does
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"pad_token_id": 0, "rope_scaling": _LONGROPE, "original_max_position_embeddings": 512},
+    ),
     "qwen3-moe": (
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
@@ -185,6 +191,38 @@ def test_bf16_close_to_float32(family, prompts):
     assert agree >= len(prompts) - 1, (name, got, expected)
     assert all(len(g) == MAX_NEW for g in got)
     _assert_all_free(llm)
+
+
+def test_bf16_decodes_on_the_cpu_fast_path(family, prompts):
+    """Where the AMX kernels run, every decode-only step of a dense family (Phi-3's longrope and
+    fused checkpoints included) takes the fused decode step, and the MoE experts bind to the
+    expert kernel: a family off the fast path fails here, not only as a slow benchmark row."""
+    from engine.layers import Experts
+    from kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    if ops is None or not ops.amx_available():
+        pytest.skip("the CPU fast path needs the C++ kernels with AMX")
+    name, path, expected = family
+    llm = LLM(str(path), dtype="bfloat16")
+    runner = llm.engine.runner
+    experts = [m for m in runner.model.modules() if isinstance(m, Experts)]
+    if experts:
+        assert all(m.impl == "cpu" for m in experts), name
+        assert len(_tokens(llm, prompts)) == len(prompts)
+        return
+    fused = runner.fused_decode
+    assert fused is not None, f"{name} declined the fused decode step"
+    taken = {"n": 0}
+    run = fused.run
+
+    def counting_run(*args, **kwargs):
+        taken["n"] += 1
+        return run(*args, **kwargs)
+
+    fused.run = counting_run
+    _tokens(llm, prompts[:3])  # one prefill step, then MAX_NEW - 1 decode-only steps
+    assert taken["n"] == MAX_NEW - 1, name
 
 
 # ---- start-up refusals -----------------------------------------------------------------------
