@@ -71,8 +71,8 @@ class Experts(KernelLayer):
         expert_ids: torch.Tensor,  # [T, k]
         weights: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:  # [T, H]
+        x = x.contiguous()
         out = torch.empty_like(x)
-        x = x if x.stride(-1) == 1 else x.contiguous()
         self.ops.moe_experts(
             out, x, expert_ids.contiguous(), weights.float().contiguous(),
             self.packed_gate_up, self.packed_down,
