@@ -81,13 +81,27 @@ void moe_experts(
   at::Tensor gu = at::empty({pairs, 2 * inter}, opts);
   at::Tensor act = at::empty({pairs, inter}, opts);
   at::Tensor ys = at::empty({pairs, hidden}, opts);
-  for (int64_t e = 0; e < num_experts; ++e) {
+  std::vector<int64_t> active;  // the experts with rows, in expert order
+  for (int64_t e = 0; e < num_experts; ++e)
+    if (start[e + 1] > start[e]) active.push_back(e);
+  auto run_expert = [&](int64_t e) {
     const int64_t n = start[e + 1] - start[e];
-    if (n == 0) continue;
     at::Tensor gu_e = gu.narrow(0, start[e], n), act_e = act.narrow(0, start[e], n);
     amx_linear(gu_e, rows.narrow(0, start[e], n), gate_up.select(0, e));
     silu_and_mul(act_e, gu_e);
     amx_linear(ys.narrow(0, start[e], n), act_e, down.select(0, e));
+  };
+  const int64_t num_active = static_cast<int64_t>(active.size());
+  if (num_active >= at::get_num_threads()) {
+    // one parallel region: each thread takes whole experts (their GEMMs then run on it alone,
+    // nested regions run inline), instead of two regions per expert
+    WorkQueue(num_active).run([&](WorkQueue& queue) {
+      int64_t begin, end;
+      while (queue.take(begin, end))
+        for (int64_t i = begin; i < end; ++i) run_expert(active[i]);
+    });
+  } else {
+    for (const int64_t e : active) run_expert(e);  // few experts: their columns split instead
   }
   const float* wp = weights.data_ptr<float>();
   const c10::BFloat16* yp = ys.data_ptr<c10::BFloat16>();
