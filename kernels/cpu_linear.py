@@ -13,7 +13,7 @@ oneDNN builds (JIT-compiles) and caches a kernel for every distinct row count it
 0.6 MiB each (ideep's and oneDNN's caches, 1024 entries apiece), so prefill chunks of every
 length made memory grow for thousands of requests: oneDNN calls run on rows padded up to one of
 a few sizes per doubling (onednn_rows()), which bounds both caches and the compiling, for at
-most 1/8 more rows past 128 (bench/soak.py's notes in bench/results/HISTORY.md).
+most 1/8 more rows past 128 (bench/onednn_rows.py measures both, exact against padded).
 
 Batch invariance (kernels.cpu_ops.batch_invariant()): the AMX kernel takes every call, so a
 row's result is the same bits at any row count (it runs each row's K loop alone; oneDNN picks
