@@ -2,16 +2,22 @@
 
     python bench/soak.py                      # tiny random-weight model, 30 minutes
     python bench/soak.py --minutes 5 --concurrency 16 --model DIR
+    python bench/soak.py --no-tracemalloc --trim-every-sample   # the memory the server holds
     python bench/soak.py --url http://127.0.0.1:8000 --pid PID   # a running server (no heap)
 
 The server it starts gets a KV pool too small for its load (--num-gpu-blocks-override), so
 requests are preempted and recomputed throughout, and runs under tracemalloc: every
 --sample-every seconds the soak records the server's RSS and a heap snapshot (SIGUSR1 makes the
 server dump one); once idle after the load, SIGUSR2 makes it malloc_trim, and the RSS after
-that tells memory the allocator kept from memory still in use. Reports requests served,
-failures (target 0), preemptions, p50/p99 latency, the RSS curve, the Python heap's biggest
-growers between the first and the last snapshot, and the KV free blocks at start and end
-(target: every block free once idle).
+that tells memory the allocator kept from memory still in use, with glibc's own counts (in use,
+free in its arenas, mapped directly). Reports requests served, failures (target 0),
+preemptions, p50/p99 latency, the RSS curve, the Python heap's biggest growers between the
+first and the last snapshot, and the KV free blocks at start and end (target: every block free
+once idle).
+
+tracemalloc's own bookkeeping (a trace per live block, and the snapshots) is native memory in
+the server's RSS that its heap totals leave out, and it grows under load: the RSS curve of the
+server as deployed is the one measured with --no-tracemalloc (bench/results/HISTORY.md).
 """
 
 from __future__ import annotations
@@ -56,9 +62,11 @@ def main() -> None:
 
 
 def traced_serve(heap_dir: Path, frames: int, serve_args: list[str]) -> None:
-    """pagedserve serve under tracemalloc; each SIGUSR1 dumps heap_dir/<n>.snap, SIGUSR2 has
-    glibc hand its free memory back to the kernel (malloc_trim), to tell retained from live."""
-    tracemalloc.start(frames)
+    """pagedserve serve, under tracemalloc unless frames is 0; each SIGUSR1 dumps
+    heap_dir/<n>.snap, SIGUSR2 has glibc hand its free memory back to the kernel (malloc_trim),
+    to tell retained from live, and writes glibc's counts after it to heap_dir/malloc.json."""
+    if frames > 0:
+        tracemalloc.start(frames)
     count = 0
 
     def dump(_sig, _frame) -> None:
@@ -66,12 +74,43 @@ def traced_serve(heap_dir: Path, frames: int, serve_args: list[str]) -> None:
         tracemalloc.take_snapshot().dump(str(heap_dir / f"{count:04d}.snap"))
         count += 1
 
-    signal.signal(signal.SIGUSR1, dump)
+    def trim(_sig, _frame) -> None:
+        libc.malloc_trim(0)
+        (heap_dir / "malloc.json").write_text(json.dumps(malloc_counts(libc)))
+
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    signal.signal(signal.SIGUSR2, lambda _sig, _frame: libc.malloc_trim(0))
+    signal.signal(signal.SIGUSR1, dump)
+    signal.signal(signal.SIGUSR2, trim)
     from server.cli import main as serve_main
 
     serve_main(["serve", *serve_args])
+
+
+class MallInfo2(ctypes.Structure):
+    """glibc's struct mallinfo2 (glibc 2.33+): the main and thread arenas' counts, in bytes."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost",
+        )
+    ]
+
+
+def malloc_counts(libc: ctypes.CDLL) -> dict[str, float]:
+    """MiB that glibc's malloc hands out (in use), keeps free in its arenas, and maps directly
+    (blocks of 128 KiB and up): in-use growth is memory held, free growth is fragmentation."""
+    if not hasattr(libc, "mallinfo2"):
+        return {}
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    mib = lambda n: round(n / 2**20, 2)
+    return {
+        "malloc_in_use_mib": mib(info.uordblks),
+        "malloc_free_mib": mib(info.fordblks),
+        "malloc_mmap_mib": mib(info.hblkhd),
+    }
 
 
 def parse_args() -> argparse.Namespace:
@@ -90,6 +129,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sample-every", type=float, default=30.0, help="seconds between samples")
     p.add_argument("--trace-frames", type=int, default=1, help="tracemalloc frames per block")
     p.add_argument(
+        "--no-tracemalloc",
+        action="store_true",
+        help="serve without tracemalloc (no heap growers): its own memory stays out of the RSS",
+    )
+    p.add_argument(
         "--trim-every-sample",
         action="store_true",
         help="also record RSS after malloc_trim at every sample (the memory in use over time)",
@@ -104,7 +148,8 @@ def parse_args() -> argparse.Namespace:
 def start_server(args: argparse.Namespace, heap_dir: Path) -> tuple[subprocess.Popen, str]:
     model = args.model or str(build_tiny_model())
     port = load_test_builders().free_port()
-    cmd = [sys.executable, __file__, "_traced_serve", str(heap_dir), str(args.trace_frames)]
+    frames = 0 if args.no_tracemalloc else args.trace_frames
+    cmd = [sys.executable, __file__, "_traced_serve", str(heap_dir), str(frames)]
     cmd += [model, "--port", str(port), "--dtype", "float32", "--log-level", "warning"]
     cmd += ["--num-gpu-blocks-override", str(args.num_blocks)]
     log = open(Path(tempfile.gettempdir()) / f"soak-server-{port}.log", "w")
@@ -171,10 +216,15 @@ def gauges(text: str) -> dict[str, float]:
 
 
 class Sampler:
-    """RSS and (for a started server) a heap snapshot every `every` seconds of load."""
+    """RSS and (for a started server) a heap snapshot every `every` seconds of load; with trim,
+    the RSS and glibc's counts after malloc_trim too. snapshots False: the server runs without
+    tracemalloc."""
 
-    def __init__(self, pid: int | None, heap_dir: Path | None, every: float, trim: bool) -> None:
+    def __init__(
+        self, pid: int | None, heap_dir: Path | None, every: float, trim: bool, snapshots: bool
+    ) -> None:
         self.pid, self.heap_dir, self.every, self.trim = pid, heap_dir, every, trim
+        self.snapshots = snapshots
         self.t0 = time.monotonic()
         self.curve: list[dict] = []
         self.num_snapshots = 0
@@ -183,11 +233,11 @@ class Sampler:
         point = {"t_s": round(time.monotonic() - self.t0), "rss_mib": rss_mib(self.pid)}
         point |= {"served": tally.served, "aborted": tally.aborted}
         self.curve.append(point)
-        if self.heap_dir is not None and self.pid is not None:
-            if self.trim:  # RSS once glibc has returned its free pages: the memory in use
-                os.kill(self.pid, signal.SIGUSR2)
-                await asyncio.sleep(1)
-                point["rss_mib_after_malloc_trim"] = rss_mib(self.pid)
+        if self.heap_dir is None or self.pid is None:
+            return
+        if self.trim:  # RSS once glibc has returned its free pages: the memory in use
+            point |= await trimmed(self.pid, self.heap_dir)
+        if self.snapshots:
             os.kill(self.pid, signal.SIGUSR1)
             await self._wait_snapshot(self.num_snapshots)
             self.num_snapshots += 1
@@ -228,6 +278,19 @@ class Sampler:
         return [heap, *rows]
 
 
+async def trimmed(pid: int, heap_dir: Path, timeout: float = 30.0) -> dict:
+    """Has the server malloc_trim (SIGUSR2), then its RSS and glibc's counts after it."""
+    counts = heap_dir / "malloc.json"
+    counts.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + timeout
+    while not counts.exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # the handler writes the file in one call: let it finish
+    point = {"rss_mib_after_malloc_trim": rss_mib(pid)}
+    return point | (json.loads(counts.read_text() or "{}") if counts.exists() else {})
+
+
 def _mib(snapshot: tracemalloc.Snapshot) -> float:
     return round(sum(s.size for s in snapshot.statistics("filename")) / 2**20, 2)
 
@@ -249,7 +312,9 @@ async def soak(url: str, args: argparse.Namespace, pid: int | None, heap_dir) ->
         start = {"rss_mib": rss_mib(pid), "kv": await kv_blocks(client)}
         preempted_before = gauges((await client.get("/metrics")).text).get("num_preemptions_total")
         tally, t_end = Tally(), time.monotonic() + args.minutes * 60
-        sampler = Sampler(pid, heap_dir, args.sample_every, args.trim_every_sample)
+        sampler = Sampler(
+            pid, heap_dir, args.sample_every, args.trim_every_sample, not args.no_tracemalloc
+        )
         await sampler.sample(tally)
         workers = [
             worker(client, url, random.Random(rng.random()), args, tally, t_end)
@@ -259,9 +324,7 @@ async def soak(url: str, args: argparse.Namespace, pid: int | None, heap_dir) ->
         end = {"rss_mib": rss_mib(pid), "kv": await kv_blocks(client)}
         await sampler.sample(tally)  # idle, after the load
         if heap_dir is not None and pid is not None:  # what of the growth is free but retained
-            os.kill(pid, signal.SIGUSR2)
-            await asyncio.sleep(2)
-            end["rss_mib_after_malloc_trim"] = rss_mib(pid)
+            end |= await trimmed(pid, heap_dir)
         preempted = gauges((await client.get("/metrics")).text).get("num_preemptions_total")
     lat = sorted(tally.latencies)
     pct = lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))], 3) if lat else None

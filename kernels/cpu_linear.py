@@ -9,6 +9,12 @@ columns over all threads. The row and width thresholds come from measurements: b
 ("Narrow linears") and bench/cpu_ab.py rerun them. Same math as F.linear: bf16 inputs, float32
 accumulation, the bias added in float32, one rounding to bf16.
 
+oneDNN builds (JIT-compiles) and caches a kernel for every distinct row count it meets, about
+0.6 MiB each (ideep's and oneDNN's caches, 1024 entries apiece), so prefill chunks of every
+length made memory grow for thousands of requests: oneDNN calls run on rows padded up to one of
+a few sizes per doubling (onednn_rows()), which bounds both caches and the compiling, for at
+most 1/8 more rows past 128 (bench/onednn_rows.py measures both, exact against padded).
+
 Batch invariance (kernels.cpu_ops.batch_invariant()): the AMX kernel takes every call, so a
 row's result is the same bits at any row count (it runs each row's K loop alone; oneDNN picks
 its blocking by M).
@@ -27,6 +33,8 @@ SMALL_MAX_ROWS = 96  # row counts up to this use oneDNN's decode packing
 AMX_MAX_ROWS = 32  # row counts up to this use the AMX kernel, where it runs
 # Outputs up to this wide use the AMX kernel at every row count (bench/README.md, "Narrow linears").
 AMX_NARROW_MAX_OUT = 1024
+# oneDNN row counts above this are multiples of it (onednn_rows)
+ONEDNN_MIN_ROW_STEP = 16
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -70,10 +78,34 @@ class PackedLinear(nn.Module):
             return out
         small = self.ops is None and rows <= SMALL_MAX_ROWS
         packed = self.small if small else self.large
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        padded = onednn_rows(rows)
+        if padded != rows:  # a cached row count: the pad rows' outputs are dropped
+            x_pad = x.new_empty(padded, x.shape[1])
+            x_pad[:rows] = x
+            x_pad[rows:] = 0
+            x = x_pad
+        return onednn_linear(x, packed, self.bias)[:rows]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a oneDNN call runs at: rows itself up to ONEDNN_MIN_ROW_STEP (decode
+    batches, whose cost is the weight's reading), above it rounded up to a multiple of that, and
+    past 128 to a multiple of an eighth of the power of two below: at most 8 sizes per doubling,
+    so oneDNN's per-shape caches stay bounded (39 sizes up to 512 rows), for at most 1/8 more
+    rows past 128."""
+    if rows <= ONEDNN_MIN_ROW_STEP:
+        return rows
+    step = max(ONEDNN_MIN_ROW_STEP, 1 << max(0, (rows - 1).bit_length() - 4))
+    return -(-rows // step) * step
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
+    """oneDNN's linear over a weight packed by _reorder_linear_weight (the tests count its row
+    counts through this name)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _amx_fits(ops, w: torch.Tensor) -> bool:

@@ -27,14 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 from window_attention import window_inputs
 
+import kernels.cpu_linear as cpu_linear
 from engine.layers import RMSNorm, RotaryEmbedding, apply_rope
 from kernels.backend import AttentionMetadata
 from kernels.cpu_backend import PREFILL_D256_MAX_KEYS, CpuAttentionBackend
 from kernels.cpu_linear import (
     AMX_MAX_ROWS,
     AMX_NARROW_MAX_OUT,
+    ONEDNN_MIN_ROW_STEP,
     PackedLinear,
     can_pack,
+    onednn_rows,
     pack_linears,
 )
 from kernels.cpu_ops import CSRC, build_key, cpu_kernels_enabled, load_cpu_ops, sources
@@ -544,6 +547,41 @@ def test_packed_linear_routes_narrow_outputs_to_amx_at_every_row_count(ops):
                 if "amx_linear" in calls:
                     taken.append(rows)
         assert taken == amx_rows, f"{n} outputs"
+
+
+def test_packed_linear_runs_onednn_at_a_bounded_set_of_row_counts(monkeypatch):
+    """oneDNN compiles and caches a kernel per row count: every length from 1 to 300 rows must
+    reach it as one of a few padded row counts, each result still F.linear's."""
+    gen = torch.Generator().manual_seed(21)
+    linear = nn.Linear(64, 40, bias=True).bfloat16()  # no AMX packing: oneDNN for every size
+    linear.weight.data = torch.randn(40, 64, generator=gen).bfloat16()
+    linear.bias.data = torch.randn(40, generator=gen).bfloat16()
+    packed = PackedLinear(linear, None)
+    seen_rows = []
+    onednn = cpu_linear.onednn_linear
+
+    def spy(x, weight, bias):
+        seen_rows.append(x.shape[0])
+        return onednn(x, weight, bias)
+
+    monkeypatch.setattr(cpu_linear, "onednn_linear", spy)
+    with torch.inference_mode():
+        for rows in range(1, 301):
+            x = torch.randn(rows, 64, generator=gen).bfloat16()
+            assert_matches_linear(packed(x), F.linear(x, linear.weight, linear.bias))
+    assert len(seen_rows) == 300 and all(got >= rows for rows, got in enumerate(seen_rows, 1))
+    assert len(set(seen_rows)) == 33, sorted(set(seen_rows))
+
+
+def test_onednn_rows_pads_little_and_keeps_few_sizes_per_doubling():
+    assert [onednn_rows(r) for r in range(1, ONEDNN_MIN_ROW_STEP + 1)] == list(
+        range(1, ONEDNN_MIN_ROW_STEP + 1)
+    )
+    for rows in range(ONEDNN_MIN_ROW_STEP + 1, 8193):
+        assert rows <= onednn_rows(rows) <= max(rows + ONEDNN_MIN_ROW_STEP - 1, rows * 9 / 8)
+        assert onednn_rows(onednn_rows(rows)) == onednn_rows(rows)  # a padded size stays put
+    for low in (128, 256, 512, 4096):
+        assert len({onednn_rows(r) for r in range(low + 1, 2 * low + 1)}) == 8
 
 
 def test_pack_linears_swaps_every_linear(ops):
