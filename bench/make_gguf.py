@@ -28,40 +28,17 @@ LLAMACPP_BIN = Path(__file__).resolve().parent / ".llamacpp" / "bin"
 DEFAULT_OUT = Path(__file__).resolve().parent / ".llamacpp" / "models"
 DEFAULT_QUANTS = "Q8_0,Q4_0,Q4_1,Q4_K_M,Q6_K"
 
-# Hugging Face names (after "model.layers.N.") to llama.cpp's (after "blk.N.").
-_LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-_GLOBAL_NAMES = {
-    "model.embed_tokens": "token_embd",
-    "model.norm": "output_norm",
-    "lm_head": "output",
-}
+TESTS = Path(__file__).resolve().parent.parent / "tests"
 
 
-def gguf_name(hf_name: str) -> str:
-    stem, _, suffix = hf_name.rpartition(".")
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
-    parts = stem.split(".")
-    if parts[:2] == ["model", "layers"] and ".".join(parts[3:]) in _LAYER_NAMES:
-        return f"blk.{parts[2]}.{_LAYER_NAMES['.'.join(parts[3:])]}.{suffix}"
-    raise ValueError(f"no GGUF name for tensor {hf_name!r}")
+def _gguf_writer():
+    """tests/gguf_writer.py: llama.cpp's tensor names, rotary row order and header keys, shared
+    with the tests' GGUF files (it imports no engine code)."""
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    import gguf_writer
 
-
-def permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's `llama` layout interleaves the two rotary halves of each head's q/k rows;
-    engine/gguf_convert.py's _unpermute_rotary is the inverse."""
-    rows = w.shape[0]
-    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return gguf_writer
 
 
 def _token_types(tok: dict, vocab_size: int) -> list[int]:
@@ -154,17 +131,13 @@ def write_gguf(folder: Path, out: Path, outtype: str, pre: str | None = None) ->
     if (config.get("rope_scaling") or {}).get("rope_type", "default") != "default":
         raise ValueError("rope scaling is not written here")
 
+    gw = _gguf_writer()
+    gguf_name = gw.tensor_names("llama", config["num_hidden_layers"])
     tmp = out.with_suffix(".gguf.part")
     writer = gguf.GGUFWriter(tmp, "llama")
     writer.add_name(folder.name)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    gw.add_hparams(writer, config)
     writer.add_rope_freq_base(float(rope_theta))
-    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(int(ftype))
@@ -179,18 +152,15 @@ def write_gguf(folder: Path, out: Path, outtype: str, pre: str | None = None) ->
                     continue
                 w = f.get_tensor(name).astype(np.float32)
                 if name.endswith("self_attn.q_proj.weight"):
-                    w = permute_rotary(w, heads)
+                    w = gw.permute_rotary(w, heads)
                 elif name.endswith("self_attn.k_proj.weight"):
-                    w = permute_rotary(w, kv_heads)
+                    w = gw.permute_rotary(w, kv_heads)
                 # llama.cpp keeps 1-D tensors (norms) in float32 whatever the file type
                 t = qtype if w.ndim > 1 else gguf.GGMLQuantizationType.F32
                 data = gguf.quants.quantize(w, t)
                 # quantized data is uint8 shaped in bytes; the writer derives the element shape
                 writer.add_tensor(gguf_name(name), data, raw_dtype=t)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gw.write_file(writer)
     tmp.replace(out)
     return out
 

@@ -59,27 +59,37 @@ class Parsed:
     calls: list[tuple[str, str]]
 
 
-def object_end(text: str, start: int) -> int | None:
-    """Index just past the JSON object that opens at text[start] ('{'), None if not closed yet."""
-    depth, in_string, escaped = 0, False, False
+_CLOSERS = {"(": ")", "[": "]", "{": "}"}
+
+
+def bracket_end(text: str, start: int, quotes: str = '"') -> int | None:
+    """Index just past the bracket that closes the one at text[start], skipping strings opened by
+    any of `quotes` (backslash escapes); at a mismatched closer, just past it (a parse of that
+    span then fails); None if not closed yet."""
+    expected: list[str] = []
+    quote, escaped = "", False
     for i in range(start, len(text)):
         ch = text[i]
-        if in_string:
+        if quote:
             if escaped:
                 escaped = False
             elif ch == "\\":
                 escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
+            elif ch == quote:
+                quote = ""
+        elif ch in quotes:
+            quote = ch
+        elif ch in _CLOSERS:
+            expected.append(_CLOSERS[ch])
+        elif ch in ")]}":
+            if expected.pop() != ch or not expected:
                 return i + 1
     return None
+
+
+def object_end(text: str, start: int) -> int | None:
+    """Index just past the JSON object that opens at text[start] ('{'), None if not closed yet."""
+    return bracket_end(text, start)
 
 
 def partial_tag_len(text: str, tag: str) -> int:

@@ -14,35 +14,15 @@ import ast
 import json
 import re
 
-from server.tool_call_text import Parsed, PrefixToolParser, skip_ws
+from server.tool_call_text import Parsed, PrefixToolParser, bracket_end, skip_ws
 
 _CALL_HEAD = re.compile(r"[A-Za-z_][\w.]*\s*\(")
 _PARTIAL_HEAD = re.compile(r"[A-Za-z_][\w.]*\s*\Z")
-_CLOSE = {"(": ")", "[": "]", "{": "}"}
 
 
 def call_end(text: str, start: int) -> int | None:
     """Index just past the bracket that closes text[start] ('('), skipping Python strings."""
-    stack, quote, escaped = [], "", False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if quote:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == quote:
-                quote = ""
-        elif ch in "'\"":
-            quote = ch
-        elif ch in _CLOSE:
-            stack.append(_CLOSE[ch])
-        elif ch in ")]}":
-            if stack.pop() != ch:
-                return i + 1  # mismatched: ast refuses the call
-            if not stack:
-                return i + 1
-    return None
+    return bracket_end(text, start, quotes="'\"")
 
 
 def read_call(source: str) -> tuple[str, str] | None:

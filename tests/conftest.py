@@ -30,6 +30,50 @@ def pytest_sessionstart(session) -> None:
     print(f"CPU kernels: {'built or loaded' if ops is not None else 'unavailable'} in {took:.0f}s")
 
 
+@pytest.fixture(scope="session")
+def ops():
+    """The CPU kernels (built once in pytest_sessionstart); a failed build fails their tests."""
+    from kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    if ops is None:
+        pytest.fail("the CPU kernels did not build")
+    return ops
+
+
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has AVX-512 VNNI (and BW), which the kernels' fast integer paths need."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else ()
+    return {"avx512_vnni", "avx512bw"} <= set(flags)
+
+
+def require_vnni(ops, family: str) -> None:
+    """With `family`'s portable switch off ("int8", "gguf"): skips on a CPU without AVX-512 VNNI
+    (there is no fast path to test), fails where the CPU has VNNI but the kernel does not run it."""
+    if getattr(ops, f"{family}_kernel")() == "portable":
+        if not cpu_has_vnni():
+            pytest.skip(f"{family}: this CPU has no AVX-512 VNNI (its portable path is tested)")
+        pytest.fail(f"{family}: the CPU has AVX-512 VNNI but the kernel runs the portable path")
+
+
+def kernel_path_fixture(family: str):
+    """A fixture running a test on the VNNI path (see require_vnni) and on the portable loop of
+    the kernel family whose ops are `set_{family}_portable` and `{family}_kernel`."""
+
+    @pytest.fixture(params=["fast", "portable"])
+    def kernel_path(request, ops):
+        set_portable = getattr(ops, f"set_{family}_portable")
+        old = set_portable(request.param == "portable")
+        try:
+            if request.param == "fast":
+                require_vnni(ops, family)
+            yield getattr(ops, f"{family}_kernel")()
+        finally:
+            set_portable(old)
+
+    return kernel_path
+
+
 def build_byte_tokenizer():
     """A byte-level BPE tokenizer with no merges: every UTF-8 byte is one token (ids 3..258)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -52,15 +96,9 @@ def build_byte_tokenizer():
     return fast
 
 
-def build_tiny_model_dir(path: Path, seed: int = 0, **overrides) -> Path:
-    """Saves a random-weight LlamaForCausalLM (float32) with the byte tokenizer to `path`.
-
-    The init std is large so greedy argmax gaps dwarf float32 rounding noise.
-    """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = build_byte_tokenizer()
+def tiny_config(tokenizer, **overrides) -> dict:
+    """The tiny models' config keys (any family): 2 layers of 64, GQA 4:2, the byte tokenizer's
+    special ids. The init std is large so greedy argmax gaps dwarf float32 rounding noise."""
     cfg = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -76,9 +114,17 @@ def build_tiny_model_dir(path: Path, seed: int = 0, **overrides) -> Path:
         bos_token_id=tokenizer.bos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    cfg.update(overrides)
+    return cfg | overrides
+
+
+def build_tiny_model_dir(path: Path, seed: int = 0, **overrides) -> Path:
+    """Saves a random-weight LlamaForCausalLM (float32, tiny_config) with the byte tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_byte_tokenizer()
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg)).float().eval()
+    model = LlamaForCausalLM(LlamaConfig(**tiny_config(tokenizer, **overrides))).float().eval()
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
@@ -102,27 +148,44 @@ def tiny_tied_model_dir(tmp_path_factory) -> Path:
     )
 
 
+_HF_GREEDY: dict[tuple, list[list[int]]] = {}
+
+
 def hf_greedy(
     model_dir: Path, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = False
 ) -> list[list[int]]:
-    """transformers' greedy generate, one prompt at a time (no padding), float32."""
+    """transformers' greedy generate, one prompt at a time (no padding), float32. Remembered for
+    the session by folder, its config and weights files (size and mtime), prompts and length."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    files = [p for p in Path(model_dir).iterdir() if p.suffix in (".json", ".safetensors")]
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    key = (str(Path(model_dir).resolve()), tuple(files), tuple(map(tuple, prompts)),
+           max_new_tokens, stop_at_eos)  # fmt: skip
+    if key in _HF_GREEDY:
+        return [list(r) for r in _HF_GREEDY[key]]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if not stop_at_eos:  # like ignore_eos: EOS is an ordinary token (min_new_tokens would mask it)
         model.generation_config.eos_token_id = None
+    num_threads = torch.get_num_threads()
+    if sum(p.numel() for p in model.parameters()) < 20_000_000:
+        torch.set_num_threads(1)  # tiny matmuls: a second thread's barriers cost more than it adds
     results = []
-    for ids in prompts:
-        with torch.inference_mode():
-            out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-            )
-        results.append(out[0, len(ids) :].tolist())
+    try:
+        for ids in prompts:
+            with torch.inference_mode():
+                out = model.generate(
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                )
+            results.append(out[0, len(ids) :].tolist())
+    finally:
+        torch.set_num_threads(num_threads)
     assert all(len(r) == max_new_tokens for r in results) or stop_at_eos
+    _HF_GREEDY[key] = [list(r) for r in results]
     return results
 
 
@@ -219,13 +282,16 @@ def metric_value(text: str, name: str, labels: dict | None = None) -> float:
     raise KeyError(name)
 
 
+def serve_float32(model_dir: Path, name: str, *args: str):
+    """A fixture body: `pagedserve serve` on the folder in float32 as `name`, stopped after."""
+    server = ServerProcess(str(model_dir), "--dtype", "float32", "--served-model-name", name, *args)
+    yield server.wait_ready()
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir):
-    server = ServerProcess(
-        str(tiny_model_dir), "--dtype", "float32", "--served-model-name", "tiny"
-    ).wait_ready()
-    yield server
-    server.stop()
+    yield from serve_float32(tiny_model_dir, "tiny")
 
 
 def make_request(request_id: str, num_tokens: int, max_tokens: int = 8, start: int = 0, **params):
@@ -382,11 +448,7 @@ def cycle_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def cycle_server(cycle_model_dir):
-    server = ServerProcess(
-        str(cycle_model_dir), "--dtype", "float32", "--served-model-name", "cycle"
-    ).wait_ready()
-    yield server
-    server.stop()
+    yield from serve_float32(cycle_model_dir, "cycle")
 
 
 def _nullable_to_json_schema(node):
@@ -558,16 +620,12 @@ def tools_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tools_server(tools_model_dir):
-    server = ServerProcess(
-        str(tools_model_dir),
-        "--dtype", "float32",
-        "--served-model-name", "tiny",
+    yield from serve_float32(
+        tools_model_dir, "tiny",
         "--enable-auto-tool-choice",
         "--tool-call-parser", "hermes",
         "--grammar-compile-timeout", "0.25",
-    ).wait_ready()
-    yield server
-    server.stop()
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

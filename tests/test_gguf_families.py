@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import CHAT_TEMPLATE, build_byte_tokenizer, hf_greedy, make_prompts
+from conftest import build_byte_tokenizer, hf_greedy, make_prompts, tiny_config
+from gguf_writer import llama3_rope_freqs, write_file, write_gguf
 from test_model_families import build_family_dir
 
 from engine.gguf_convert import GGUF_ARCHITECTURES, llama3_scaling
@@ -62,21 +63,7 @@ def build_gemma_dir(path: Path, family: str, seed: int = 0) -> Path:
 
     cfg_name, model_name, overrides = GEMMA[family]
     tokenizer = build_byte_tokenizer()
-    cfg = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        initializer_range=0.3,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    cfg.update(overrides)
+    cfg = tiny_config(tokenizer, rms_norm_eps=1e-6, **overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**cfg)).float()
     with torch.no_grad():  # norms away from zero so that the stored 1 + weight matters
@@ -93,174 +80,6 @@ def build_case_dir(path: Path, case: str) -> Path:
     if family in GEMMA:
         return build_gemma_dir(path, family)
     return build_family_dir(path, family)
-
-
-# ---- a GGUF as llama.cpp writes it -----------------------------------------------------------
-def _interleave_rotary(weight, heads: int):
-    # llama.cpp's converter permutes llama q/k rows so each head's rotary halves interleave.
-    rows = weight.shape[0]
-    return (
-        weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
-def _llama3_rope_freqs(cfg):
-    """The per-frequency divisors llama.cpp stores as rope_freqs, from transformers' own llama3
-    frequencies (an independent computation of what the converter must invert)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
-    base = cfg.rope_parameters["rope_theta"]
-    dim = cfg.head_dim
-    import torch
-
-    default = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    return (default / scaled).numpy().astype("float32")
-
-
-def write_gguf(
-    model_dir: Path, path: Path, arch: str, name: str, qtype=None, add_bos: bool | None = None
-) -> dict:
-    """Write `model_dir` as a GGUF of `arch`; returns {GGUF tensor name: (HF names, qtype)}."""
-    import gguf
-    import numpy as np
-    from safetensors.numpy import load_file
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_dir)
-    state = load_file(str(model_dir / "model.safetensors"))
-    tokenizer = build_byte_tokenizer()
-    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
-    names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
-    # qwen3moe's map has no dense MLP (llama.cpp has no mlp_only_layers); llama's names it
-    dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(name)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    rope = dict(getattr(cfg, "rope_parameters", None) or {})
-    rope = rope.get("full_attention", rope)
-    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
-    if arch in ("qwen3", "qwen3moe", "gemma2", "gemma3"):
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    else:
-        w.add_rope_dimension_count(head_dim)
-    kind = rope.get("rope_type", "default")
-    if kind == "linear":
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(rope["factor"])
-    elif kind == "yarn":
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(rope["factor"])
-        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    elif kind == "llama3":
-        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg))
-    elif kind == "longrope":
-        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], "float32"))
-        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], "float32"))
-    if arch == "qwen3moe":
-        w.add_expert_count(cfg.num_experts)
-        w.add_expert_used_count(cfg.num_experts_per_tok)
-        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if arch.startswith("gemma"):
-        w.add_sliding_window(cfg.sliding_window)
-    if arch == "gemma2":
-        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
-        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
-    w.add_token_types([3] * 3 + [1] * (len(tokenizer) - 3))
-    # No merges: transformers then derives them from scores, which for bytes alone is none.
-    w.add_token_scores([0.0] * len(tokenizer))
-    w.add_bos_token_id(tokenizer.bos_token_id)
-    w.add_eos_token_id(tokenizer.eos_token_id)
-    w.add_pad_token_id(tokenizer.pad_token_id)
-    w.add_eot_token_id(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
-    if add_bos is not None:
-        w.add_add_bos_token(add_bos)
-    w.add_chat_template(CHAT_TEMPLATE)
-    layout: dict[str, tuple[list[str], object]] = {}
-    experts: dict[str, list[tuple[int, str]]] = {}
-    for hf_name, weight in state.items():
-        stem, kind_ = hf_name.rsplit(".", 1)
-        parts = stem.split(".")
-        if len(parts) == 7 and parts[4] == "experts":  # model.layers.L.mlp.experts.E.proj
-            proj = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}[parts[6]]
-            experts.setdefault(f"blk.{parts[2]}.ffn_{proj}_exps.{kind_}", []).append(
-                (int(parts[5]), hf_name)
-            )
-            continue
-        gguf_name = names.get_name(stem) or (arch == "qwen3moe" and dense.get_name(stem))
-        assert gguf_name, hf_name
-        if arch == "llama" and stem.endswith("q_proj"):
-            weight = _interleave_rotary(weight, heads)
-        elif arch == "llama" and stem.endswith("k_proj"):
-            weight = _interleave_rotary(weight, kv_heads)
-        if arch.startswith("gemma") and stem.endswith("norm"):
-            weight = weight + 1.0  # llama.cpp stores Gemma's (1 + weight) factor
-        layout[f"{gguf_name}.{kind_}"] = _add(w, f"{gguf_name}.{kind_}", weight, qtype), [hf_name]
-    for gguf_name, members in experts.items():
-        members.sort()
-        stacked = np.stack([state[n] for _, n in members])
-        layout[gguf_name] = _add(w, gguf_name, stacked, qtype), [n for _, n in members]
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return {k: (names_, q) for k, (q, names_) in layout.items()}
-
-
-def _add(writer, name: str, weight, qtype):
-    """Add a tensor, quantized to qtype for matrices as llama.cpp does (vectors stay F32)."""
-    import gguf
-
-    if qtype is None or weight.ndim < 2:
-        writer.add_tensor(name, weight)
-        return gguf.GGMLQuantizationType.F32
-    if qtype in _K_SCALE_OFFSETS:  # gguf-py cannot quantize K types: store random blocks
-        writer.add_tensor(name, _random_k_blocks(name, weight.shape, qtype), raw_dtype=qtype)
-        return qtype
-    writer.add_tensor(name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
-    return qtype
-
-
-def _k_offsets():
-    import gguf
-
-    t = gguf.GGMLQuantizationType
-    # byte offsets of the float16 super-block scales (d, and dmin where the type has one)
-    return {t.Q4_K: (0, 2), t.Q5_K: (0, 2), t.Q6_K: (208,)}
-
-
-_K_SCALE_OFFSETS = _k_offsets()
-
-
-def _random_k_blocks(name: str, shape, qtype):
-    """Random but finite K-quant blocks for a [rows, cols] matrix (cols a multiple of 256)."""
-    import zlib
-
-    import gguf
-    import numpy as np
-
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
-    blocks = rng.integers(0, 256, (*shape[:-1], shape[-1] // block, size), dtype=np.uint8)
-    scale = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
-    for offset in _K_SCALE_OFFSETS[qtype]:
-        blocks[..., offset : offset + 2] = scale
-    return blocks.reshape(*shape[:-1], -1)
 
 
 def _expected(state: dict, layout: dict, arch: str) -> dict:
@@ -296,6 +115,24 @@ def _converted(tmp_path: Path, case: str, qtype=None, **kw):
     return src, out, layout, load_file(str(src / "model.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def f32_case(tmp_path_factory):
+    """case -> (its folder, _converted(...)) of the F32 file, made once for the module under one
+    model cache (each case's source, GGUF and conversion serve several tests)."""
+    made: dict[str, tuple] = {}
+    root = tmp_path_factory.mktemp("f32-cases")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDSERVE_CACHE", str(root / "cache"))
+
+        def get(case: str) -> tuple:
+            if case not in made:
+                (root / case).mkdir()
+                made[case] = root / case, _converted(root / case, case)
+            return made[case]
+
+        yield get
+
+
 def _assert_state(out: Path, expected: dict, arch: str) -> None:
     import numpy as np
     from safetensors.numpy import load_file
@@ -312,10 +149,10 @@ def _assert_state(out: Path, expected: dict, arch: str) -> None:
 
 # ---- (a) tensors and config ------------------------------------------------------------------
 @pytest.mark.parametrize("case", list(CASES))
-def test_f32_tensors_and_config_equal_the_original(case, tmp_path, cache):
+def test_f32_tensors_and_config_equal_the_original(case, f32_case):
     from transformers import AutoConfig
 
-    src, out, layout, state = _converted(tmp_path, case)
+    _, (src, out, layout, state) = f32_case(case)
     arch = CASES[case][1]
     _assert_state(out, _expected(state, layout, arch), arch)
     got, want = AutoConfig.from_pretrained(out), AutoConfig.from_pretrained(src)
@@ -397,15 +234,15 @@ def test_k_quant_file_reads_like_transformers(qtype, tmp_path, cache):
 # transformers' GGUF loader builds Qwen3 (and Qwen3-MoE) with its default head_dim 128 rather than
 # attention.key_length, so it cannot read these tiny models (head_dim 32); test (a) covers them.
 @pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("qwen3")])
-def test_transformers_gguf_loader_reads_the_same(case, tmp_path, cache):
+def test_transformers_gguf_loader_reads_the_same(case, f32_case):
     """Our folder equals what transformers' own GGUF loader builds from the same file."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    src, out, layout, _ = _converted(tmp_path, case)
+    folder, (src, out, layout, _) = f32_case(case)
     gguf_file = f"{case}.gguf"
-    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_file, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
     theirs = ref.state_dict()
     ours = load_file(str(out / "model.safetensors"))
     if ref.config.tie_word_embeddings:
@@ -450,13 +287,13 @@ def _fuse_experts(ours: dict, theirs: dict) -> dict:
 
 # ---- (b) the engine on the converted folder --------------------------------------------------
 @pytest.mark.parametrize("case", SERVED)
-def test_engine_on_converted_gguf_matches_transformers_on_the_original(case, tmp_path, cache):
+def test_engine_on_converted_gguf_matches_transformers_on_the_original(case, f32_case):
     from engine import LLM, SamplingParams
 
-    src, out, _, _ = _converted(tmp_path, case)
+    folder, (src, out, _, _) = f32_case(case)
     prompts = make_prompts(4, seed=7, max_len=30)
     expected = hf_greedy(src, prompts, MAX_NEW)
-    llm = LLM(str(tmp_path / f"{case}.gguf"), dtype="float32")
+    llm = LLM(str(folder / f"{case}.gguf"), dtype="float32")  # converted already: the cache
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
@@ -523,8 +360,8 @@ def test_engine_text_prompt_gets_bos_when_the_file_says_so(tmp_path, cache):
     assert out.prompt_token_ids[0] == build_byte_tokenizer().bos_token_id
 
 
-def test_generation_config_has_every_eos_id(tmp_path, cache):
-    _, out, _, _ = _converted(tmp_path, "qwen3")
+def test_generation_config_has_every_eos_id(f32_case):
+    _, (_, out, _, _) = f32_case("qwen3")
     gen = json.loads((out / "generation_config.json").read_text())
     tok = build_byte_tokenizer()
     assert gen["eos_token_id"] == [tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")]
@@ -535,10 +372,7 @@ def test_unsupported_architecture_names_it_and_lists_the_supported(tmp_path, cac
     import gguf
 
     writer = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "falcon")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_file(writer)
     with pytest.raises(ValueError) as e:
         resolve_model(str(tmp_path / "odd.gguf"))
     msg = str(e.value)
@@ -562,10 +396,7 @@ def test_unknown_tensor_is_named(tmp_path, cache):
     for t in reader.tensors:
         writer.add_tensor(t.name, np.asarray(t.data))
     writer.add_tensor("blk.0.attn_sinks.weight", np.zeros(4, "float32"))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_file(writer)
     with pytest.raises(ValueError, match=r"b\.gguf: tensor 'blk\.0\.attn_sinks\.weight'"):
         resolve_model(str(tmp_path / "b.gguf"))
 
@@ -578,7 +409,7 @@ def test_llama3_scaling_round_trips_llama_31_parameters():
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
     cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_theta=500000.0,
                       rope_scaling=rope, max_position_embeddings=131072)  # fmt: skip
-    freqs = _llama3_rope_freqs(cfg)
+    freqs = llama3_rope_freqs(cfg)
     got = llama3_scaling(freqs, 500000.0, 128)
     assert got["factor"] == 8.0 and got["original_max_position_embeddings"] == 8192
     assert got["high_freq_factor"] == pytest.approx(4.0, rel=1e-4)

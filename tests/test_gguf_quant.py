@@ -9,6 +9,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from conftest import kernel_path_fixture, require_vnni
 
 from engine.layers.gguf_quant import (
     BLOCKS_FILE,
@@ -18,7 +19,6 @@ from engine.layers.gguf_quant import (
     PackedQuant,
     unpack_blocks,
 )
-from kernels.cpu_ops import load_cpu_ops
 
 gguf = pytest.importorskip("gguf")
 
@@ -60,22 +60,7 @@ def packed(qtype: str, n: int, k: int, seed: int = 0) -> tuple[PackedQuant, np.n
     return PackedQuant(qtype, *unpack_blocks(qtype, raw)), reference_weight(qtype, raw)
 
 
-@pytest.fixture(scope="module")
-def ops():
-    ops = load_cpu_ops()
-    if ops is None:
-        pytest.fail("the CPU kernels did not build")
-    return ops
-
-
-@pytest.fixture(params=["fast", "portable"])
-def kernel(request, ops):
-    old = ops.set_gguf_portable(request.param == "portable")
-    if request.param == "fast" and ops.gguf_kernel() == "portable":
-        ops.set_gguf_portable(old)
-        pytest.fail("this build has no AVX-512 VNNI path; run where the CPU has avx512_vnni")
-    yield ops.gguf_kernel()
-    ops.set_gguf_portable(old)
+kernel = kernel_path_fixture("gguf")
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -130,8 +115,7 @@ def test_bf16_activations_round_once(qtype, kernel, ops):
 
 
 def test_vnni_and_portable_agree_closely(ops):
-    if ops.gguf_kernel() == "portable":
-        pytest.fail("this build has no AVX-512 VNNI path")
+    require_vnni(ops, "gguf")
     p, _ = packed("Q4_K", 70, 512, seed=9)
     x = torch.randn(7, 512)
     outs = []
@@ -190,13 +174,16 @@ def test_kernel_refuses_mismatched_shapes(ops):
 MAX_NEW = 6
 
 
-def _tiny_llama_gguf(tmp_path, qtype: str):
-    """A tiny random Llama (hidden 256, so K types fit) written as a GGUF of qtype; Q8_0, Q4_0
-    and Q4_1 quantized by gguf-py from the weights, K types random valid blocks."""
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """qtype -> a tiny random Llama (hidden 256, so K types fit) written as a GGUF of qtype, the
+    Hugging Face folder built once for the module; Q8_0, Q4_0 and Q4_1 quantized by gguf-py from
+    the weights, K types random valid blocks."""
     import transformers
     from conftest import build_byte_tokenizer
-    from test_gguf_families import write_gguf
+    from gguf_writer import write_gguf
 
+    root = tmp_path_factory.mktemp("tiny-gguf")
     tokenizer = build_byte_tokenizer()
     cfg = transformers.LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -206,12 +193,17 @@ def _tiny_llama_gguf(tmp_path, qtype: str):
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
-    src = tmp_path / "hf"
+    src = root / "hf"
     transformers.LlamaForCausalLM(cfg).float().eval().save_pretrained(src)
     tokenizer.save_pretrained(src)
-    path = tmp_path / f"tiny-{qtype}.gguf"
-    write_gguf(src, path, "llama", "Tiny Llama", gguf.GGMLQuantizationType[qtype])
-    return path
+
+    def get(qtype: str):
+        path = root / f"tiny-{qtype}.gguf"
+        if not path.exists():
+            write_gguf(src, path, "llama", "Tiny Llama", gguf.GGMLQuantizationType[qtype])
+        return path
+
+    return get
 
 
 @pytest.fixture
@@ -245,9 +237,9 @@ def _logprob_gaps(outs, ref_outs) -> list[float]:
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
-def test_tiny_gguf_served_packed_agrees_with_the_dequantized_path(qtype, tmp_path, cache,
+def test_tiny_gguf_served_packed_agrees_with_the_dequantized_path(qtype, tiny_gguf, cache,
                                                                     monkeypatch, caplog):
-    path = _tiny_llama_gguf(tmp_path, qtype)
+    path = tiny_gguf(qtype)
     with caplog.at_level(logging.INFO, logger="engine.model_runner"):
         llm, packed_outs = _generate(path, monkeypatch, "gguf")
     model = llm.engine.runner.model
@@ -278,10 +270,10 @@ def test_tiny_gguf_served_packed_agrees_with_the_dequantized_path(qtype, tmp_pat
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_packed_only_when_asked(tmp_path, cache, monkeypatch, dtype):
+def test_packed_only_when_asked(tiny_gguf, cache, monkeypatch, dtype):
     """Without --quantization gguf a GGUF serves dequantized (float32: the exact path; bf16:
     faster prefill and the fused decode step); with it, packed; and it needs a GGUF."""
-    path = _tiny_llama_gguf(tmp_path, "Q8_0")
+    path = tiny_gguf("Q8_0")
     monkeypatch.delenv("PAGEDSERVE_GGUF_PACKED", raising=False)
     from engine import LLM
 
@@ -301,13 +293,13 @@ def test_quantization_gguf_needs_a_gguf_model(tiny_model_dir):
         LLM(str(tiny_model_dir), dtype="bfloat16", quantization="gguf")
 
 
-def test_unsupported_type_falls_back_to_dequantized_with_a_log_line(tmp_path, cache, monkeypatch,
+def test_unsupported_type_falls_back_to_dequantized_with_a_log_line(tiny_gguf, cache, monkeypatch,
                                                                      caplog):
-    from test_gguf_families import _K_SCALE_OFFSETS
+    from gguf_writer import K_SCALE_OFFSETS
 
     q2k = gguf.GGMLQuantizationType.Q2_K
-    monkeypatch.setitem(_K_SCALE_OFFSETS, q2k, (80, 82))  # d and dmin of a Q2_K block
-    path = _tiny_llama_gguf(tmp_path, "Q2_K")
+    monkeypatch.setitem(K_SCALE_OFFSETS, q2k, (80, 82))  # d and dmin of a Q2_K block
+    path = tiny_gguf("Q2_K")  # written here, under the patched offsets
     with caplog.at_level(logging.INFO, logger="engine.layers.gguf_quant"):
         llm, outs = _generate(path, monkeypatch, "gguf")
     assert any("tensors of type Q2_K dequantized" in r.message for r in caplog.records)

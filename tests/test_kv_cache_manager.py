@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 from conftest import make_request
-from hypothesis import event, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-)
+from hypothesis import settings
+from kv_driver import KVCacheDriver
 
-from engine.kv_cache_manager import KVCacheManager, cdiv, hash_block_tokens
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.kv_cache_manager import KVCacheManager, hash_block_tokens
+from engine.request import RequestStatus
 
 
 def test_allocate_on_demand_and_free():
@@ -182,178 +172,10 @@ def test_prefix_caching_off_never_hashes_or_hits():
     assert (stats.num_queries, stats.num_hits) == (0, 0)
 
 
-# ---- property-based: a scheduler-like driver over random requests --------------------------
-BS = 4
-NUM_BLOCKS = 6  # small, so allocate_slots fails, preempts and evicts often
-# Shared prefixes (none, one and a half blocks, two and three-quarter blocks) over a 3-token
-# alphabet, so identical blocks, shared prefixes and partial-block hits come up often.
-PREFIXES = [[], [1, 2, 0, 1, 2, 0], [2, 2, 1, 0, 0, 1, 2, 1, 1, 0, 2]]
-
-
-def snapshot(kv: KVCacheManager):
-    """Everything allocate_slots could touch, by value."""
-    pool = kv.block_pool
-    return (
-        [(b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks],
-        [b.block_id for b in pool.free_block_queue],
-        {h: b.block_id for h, b in pool.cached_block_hash_to_block.items()},
-        pool.num_cached_free_blocks,
-        {rid: [b.block_id for b in blocks] for rid, blocks in kv.req_to_blocks.items()},
-        {rid: list(ids) for rid, ids in kv.req_to_block_ids.items()},
-        {rid: list(hs) for rid, hs in kv.req_to_block_hashes.items()},
-        dict(kv.num_cached_blocks),
-        (kv.prefix_cache_stats.num_queries, kv.prefix_cache_stats.num_hits),
-        dict(kv._pending_queries),
-    )
-
-
-class KVCacheManagerMachine(RuleBasedStateMachine):
-    """Admit (with prefix hits), chunked prefill, decode, preempt, finish, abort: as a scheduler
-    would, checking after every operation that the books balance and that a hit returns blocks
-    whose KV was written for exactly the same token prefix."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BS)
-        self.waiting: list = []
-        self.running: list = []
-        self.history: list[list[int]] = []
-        self.content: dict[int, tuple[int, ...]] = {}  # block id -> the prefix its KV encodes
-        self.num_requests = 0
-        self.expected_stats = [0, 0]
-
-    def _new_request(self, tokens: list[int]) -> None:
-        self.num_requests += 1
-        sp = SamplingParams(temperature=0.0, max_tokens=64)
-        self.waiting.append(Request(f"r{self.num_requests}", tokens or [0], sp))
-
-    @initialize(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 2), max_size=12))
-    def first_request(self, prefix: list[int], suffix: list[int]) -> None:
-        self.add_request(prefix, suffix)
-
-    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(0, 2), max_size=12))
-    def add_request(self, prefix: list[int], suffix: list[int]) -> None:
-        self._new_request(prefix + suffix)
-        self.history.append(prefix + suffix)
-
-    @precondition(lambda self: self.history)
-    @rule(data=st.data())
-    def add_repeat(self, data) -> None:
-        """The same prompt again (n > 1, a retry, a shared system prompt)."""
-        self._new_request(list(data.draw(st.sampled_from(self.history))))
-
-    @precondition(lambda self: self.waiting)
-    @rule(data=st.data(), chunk=st.integers(1, 24))
-    def admit(self, data, chunk: int) -> None:
-        req = data.draw(st.sampled_from(self.waiting))
-        hits, num_hit = self.kv.get_computed_blocks(req)
-        assert num_hit == len(hits) * BS and num_hit <= req.num_tokens - 1
-        event("hit" if num_hit else "miss")
-        for i, block in enumerate(hits):  # never wrong KV
-            assert self.content.get(block.block_id) == tuple(req.all_token_ids[: (i + 1) * BS])
-        num_new = min(chunk, req.num_tokens - num_hit)
-        if self._allocate(req, num_new, hits, num_hit):
-            self.expected_stats[0] += req.num_tokens
-            self.expected_stats[1] += num_hit
-            self.waiting.remove(req)
-            self.running.append(req)
-            req.status = RequestStatus.RUNNING
-
-    @precondition(lambda self: self.running)
-    @rule(data=st.data(), chunk=st.integers(1, 24), token=st.integers(0, 2))
-    def step(self, data, chunk: int, token: int) -> None:
-        """Prefill the next chunk, or decode one more token; preempt it if the pool is short."""
-        req = data.draw(st.sampled_from(self.running))
-        if req.num_computed_tokens == req.num_tokens:
-            req.all_token_ids.append(token)
-        num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
-        if not self._allocate(req, num_new, [], 0):
-            self._preempt(req)
-
-    @precondition(lambda self: self.running)
-    @rule(data=st.data())
-    def preempt(self, data) -> None:
-        self._preempt(data.draw(st.sampled_from(self.running)))
-
-    @precondition(lambda self: self.running)
-    @rule(data=st.data())
-    def finish(self, data) -> None:
-        req = data.draw(st.sampled_from(self.running))
-        held = list(self.kv.req_to_blocks[req.request_id])
-        refs = [b.ref_cnt for b in held]
-        self.running.remove(req)
-        req.status = RequestStatus.FINISHED_STOPPED
-        self.kv.free(req)
-        assert [b.ref_cnt for b in held] == [r - 1 for r in refs]
-        assert req.request_id not in self.kv.req_to_block_hashes
-
-    @precondition(lambda self: self.waiting)
-    @rule(data=st.data())
-    def abort_waiting(self, data) -> None:
-        req = data.draw(st.sampled_from(self.waiting))
-        self.waiting.remove(req)
-        req.status = RequestStatus.FINISHED_ABORTED
-        self.kv.free(req)
-
-    def _preempt(self, req) -> None:
-        self.running.remove(req)
-        self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        self.waiting.insert(0, req)
-
-    def _allocate(self, req, num_new: int, hits: list, num_hit: int) -> bool:
-        kv, rid = self.kv, req.request_id
-        start = req.num_computed_tokens + num_hit
-        num_held = len(kv.req_to_blocks.get(rid, []))
-        num_needed = max(cdiv(start + num_new, BS) - num_held - len(hits), 0)
-        num_available = kv.block_pool.get_num_free_blocks() - sum(b.ref_cnt == 0 for b in hits)
-        before = snapshot(kv)
-        new_blocks = kv.allocate_slots(req, num_new, hits, num_hit)
-        if new_blocks is None:
-            event("allocate_slots failed")
-            assert num_needed > num_available, "allocate_slots failed with room to spare"
-            assert snapshot(kv) == before, "a failed allocate_slots changed state"
-            return False
-        assert len(new_blocks) == num_needed
-        req.num_computed_tokens = start + num_new
-        blocks = kv.req_to_blocks[rid]
-        assert len(blocks) == cdiv(req.num_computed_tokens, BS)
-        assert blocks[: len(hits)] == hits or num_held
-        for b in new_blocks:
-            self.content.pop(b.block_id, None)  # reused: its old KV is gone
-        for i in range(start // BS, req.num_computed_tokens // BS):  # blocks filled this step
-            self.content[blocks[i].block_id] = tuple(req.all_token_ids[: (i + 1) * BS])
-        return True
-
-    @invariant()
-    def books_balance(self) -> None:
-        kv = self.kv
-        kv.check_integrity()
-        holders = Counter(b.block_id for r in self.running for b in kv.req_to_blocks[r.request_id])
-        assert set(kv.req_to_blocks) == {r.request_id for r in self.running}
-        for b in kv.block_pool.blocks:
-            assert b.ref_cnt == holders[b.block_id]
-            assert b.ref_cnt <= 1 or b.block_hash is not None
-        assert len(holders) + kv.block_pool.get_num_free_blocks() == NUM_BLOCKS
-        if any(n > 1 for n in holders.values()):
-            event("a block shared by running requests")
-        for r in self.running:
-            assert kv.get_block_ids(r.request_id) == [
-                b.block_id for b in kv.req_to_blocks[r.request_id]
-            ]
-
-    def teardown(self) -> None:
-        for req in self.running + self.waiting:
-            req.status = RequestStatus.FINISHED_ABORTED
-            self.kv.free(req)
-        kv = self.kv
-        kv.check_integrity()
-        assert kv.block_pool.get_num_free_blocks() == NUM_BLOCKS and kv.usage == 0.0
-        assert not kv.req_to_blocks and not kv.req_to_block_ids and not kv.req_to_block_hashes
-        assert not kv.num_cached_blocks and not kv._pending_queries
-        stats = kv.take_prefix_cache_stats()
-        assert [stats.num_queries, stats.num_hits] == self.expected_stats
+# ---- property-based: a scheduler-like driver over random requests (tests/kv_driver.py) -------
+class KVCacheManagerMachine(KVCacheDriver):
+    WINDOWS = (0,)
+    NUM_BLOCKS = 6  # small, so allocate_slots fails, preempts and evicts often
 
 
 KVCacheManagerMachine.TestCase.settings = settings(

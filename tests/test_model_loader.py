@@ -9,20 +9,9 @@ from pathlib import Path
 
 import pytest
 from conftest import CHAT_TEMPLATE, build_byte_tokenizer, build_tiny_model_dir
+from gguf_writer import write_file, write_gguf
 
 from engine.model_loader import MARKER, default_cache_dir, resolve_model
-
-LAYER_SUFFIXES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
 
 
 @pytest.fixture
@@ -68,69 +57,12 @@ def test_missing_default_package_says_how_to_install(monkeypatch):
         resolve_model(None)
 
 
-def _llama_cpp_permute(weight, heads: int):
-    # What llama.cpp's converter does to q/k rows: interleave each head's two rotary halves.
-    rows = weight.shape[0]
-    return (
-        weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
-def _gguf_name(hf_name: str) -> str:
-    globals_ = {
-        "model.embed_tokens": "token_embd",
-        "model.norm": "output_norm",
-        "lm_head": "output",
-    }
-    stem, kind = hf_name.rsplit(".", 1)
-    if stem in globals_:
-        return f"{globals_[stem]}.{kind}"
-    _, _, layer, suffix = stem.split(".", 3)
-    return f"blk.{layer}.{LAYER_SUFFIXES[suffix]}.{kind}"
-
-
 def write_tiny_gguf(model_dir: Path, path: Path) -> dict:
     """A float32 Llama GGUF laid out like llama.cpp writes it; returns the HF state dict."""
-    import gguf
     from safetensors.numpy import load_file
 
-    cfg = json.loads((model_dir / "config.json").read_text())
-    state = load_file(str(model_dir / "model.safetensors"))
-    tokenizer = build_byte_tokenizer()
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(cfg["hidden_size"] // heads)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
-    writer.add_token_types([3] * 3 + [1] * (len(tokenizer) - 3))
-    # No merges: transformers then derives them from scores, which for bytes alone is none.
-    writer.add_token_scores([0.0] * len(tokenizer))
-    writer.add_bos_token_id(tokenizer.bos_token_id)
-    writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_pad_token_id(tokenizer.pad_token_id)
-    writer.add_chat_template(CHAT_TEMPLATE)
-    for name, weight in state.items():
-        if name.endswith("q_proj.weight"):
-            weight = _llama_cpp_permute(weight, heads)
-        elif name.endswith("k_proj.weight"):
-            weight = _llama_cpp_permute(weight, kv_heads)
-        writer.add_tensor(_gguf_name(name), weight)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return state
+    write_gguf(model_dir, path, "llama", "Tiny Llama")
+    return load_file(str(model_dir / "model.safetensors"))
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -175,10 +107,7 @@ def test_unsupported_architecture(tmp_path, cache):
     import gguf
 
     writer = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "mamba")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_file(writer)
     with pytest.raises(ValueError, match="mamba"):
         resolve_model(str(tmp_path / "odd.gguf"))
     assert [p.name for p in cache.iterdir()] == []

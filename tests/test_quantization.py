@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from conftest import cpu_has_vnni, kernel_path_fixture
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
@@ -24,30 +25,13 @@ from engine.layers.quantization import (
     quantize_per_token,
     quantize_weight,
 )
-from kernels.cpu_ops import load_cpu_ops
 
 # (M, K, N): M=1 decode, odd K (not a multiple of 4) and N (not of 16), M across the 8-row and
 # 64-row tiles
 SHAPES = [(1, 576, 576), (1, 37, 19), (3, 64, 48), (9, 130, 33), (17, 576, 1536), (70, 101, 20)]
 
 
-@pytest.fixture(scope="module")
-def ops():
-    ops = load_cpu_ops()
-    if ops is None:
-        pytest.fail("the CPU kernels did not build")
-    return ops
-
-
-@pytest.fixture(params=["fast", "portable"])
-def kernel_path(request, ops):
-    """Runs a test on the VNNI path (where the build has it) and on the portable loop."""
-    old = ops.set_int8_portable(request.param == "portable")
-    if request.param == "fast" and ops.int8_kernel() == "portable":
-        ops.set_int8_portable(old)
-        pytest.skip("this build has no AVX-512 VNNI")
-    yield ops.int8_kernel()
-    ops.set_int8_portable(old)
+kernel_path = kernel_path_fixture("int8")
 
 
 def dequant_matmul(x, w, bias):
@@ -119,19 +103,27 @@ def test_torch_path_matches_the_kernel(ops):
 
 
 def test_kernel_reports_vnni_on_this_cpu(ops):
-    flags = open("/proc/cpuinfo").read()
-    expected = "avx512_vnni" if " avx512_vnni" in flags and " avx512bw" in flags else "portable"
-    assert ops.int8_kernel() == expected
+    assert ops.int8_kernel() == ("avx512_vnni" if cpu_has_vnni() else "portable")
 
 
 # ---- the layer: marked at load, float weights freed ------------------------------------------
-def _tiny_model(tiny_model_dir, quantization):
-    llm = LLM(str(tiny_model_dir), dtype="bfloat16", quantization=quantization)
-    return llm, llm.engine.runner.model
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir):
+    """quantization -> (LLM, its model) of the tiny model in bf16, built once for the module."""
+    made: dict = {}
+
+    def get(quantization):
+        if quantization not in made:
+            llm = LLM(str(tiny_model_dir), dtype="bfloat16", quantization=quantization)
+            made[quantization] = llm, llm.engine.runner.model
+        return made[quantization]
+
+    yield get
+    made.clear()
 
 
-def test_quantized_linears_drop_float_weights(tiny_model_dir):
-    _, model = _tiny_model(tiny_model_dir, "int8")
+def test_quantized_linears_drop_float_weights(tiny_llm):
+    _, model = tiny_llm("int8")
     linears = [m for m in model.model.layers.modules() if isinstance(m, Linear)]
     assert linears and all(m.impl == INT8_CPU and m.weight is None for m in linears)
     assert model.lm_head.impl != INT8_CPU  # embedding and lm_head stay in the model dtype
@@ -139,21 +131,21 @@ def test_quantized_linears_drop_float_weights(tiny_model_dir):
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     sizes = linear_weight_bytes(model)
     assert sizes["float"] == 0 and sizes["int8"] > 0
-    _, plain = _tiny_model(tiny_model_dir, None)
+    _, plain = tiny_llm(None)
     bf16 = linear_weight_bytes(plain)["float"]
     assert sizes["int8"] < 0.6 * bf16  # one byte a weight plus padding and scales, against two
 
 
-def test_quantized_tiny_model_generates(tiny_model_dir):
-    llm, _ = _tiny_model(tiny_model_dir, "int8")
+def test_quantized_tiny_model_generates(tiny_llm):
+    llm, _ = tiny_llm("int8")
     assert llm.engine.runner.fused_decode is None  # the fused step takes bf16 weights only
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     out = llm.generate([[1, 2, 3, 4], [5, 6]], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [8, 8]
 
 
-def test_mark_quantized_refuses_unknown_method(tiny_model_dir):
-    _, model = _tiny_model(tiny_model_dir, None)
+def test_mark_quantized_refuses_unknown_method(tiny_llm):
+    _, model = tiny_llm(None)
     with pytest.raises(ValueError, match=r"\['int8', 'gguf'\]"):
         mark_quantized(model, "fp4")
     assert all(m.quantization is None for m in model.modules() if isinstance(m, Linear))

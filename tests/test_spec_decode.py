@@ -147,11 +147,32 @@ def _check_hashes(engine) -> None:
                 assert (i + 1) * BLOCK_SIZE <= req.num_tokens
 
 
+_ENGINES: dict[tuple, object] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_engines():
+    yield
+    _ENGINES.clear()
+
+
+def make_engine(model_dir, spec=None, **engine_args):
+    """One engine per (model, speculation, engine args) in this module, drained and with its
+    prefix cache emptied before each reuse, so that every run starts as on a new engine."""
+    key = (str(model_dir), json.dumps(spec, sort_keys=True), tuple(sorted(engine_args.items())))
+    engine = _ENGINES.get(key)
+    # a run that failed part-way leaves requests behind: that engine is not reused
+    if engine is None or engine.has_unfinished_requests():
+        args = dict(dtype="float32", block_size=BLOCK_SIZE) | engine_args
+        engine = _ENGINES[key] = LLM(str(model_dir), speculative_config=spec, **args).engine
+    assert engine.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+    return engine
+
+
 def run(model_dir, prompts, params, spec=None, abort_after=None, **engine_args):
     """Steps the engine to the end (checking the KV invariants every step); returns per request
     (token ids, text, finish reason, logprobs) and the spec counters (drafts, tokens, accepted)."""
-    args = dict(dtype="float32", block_size=BLOCK_SIZE) | engine_args
-    engine = LLM(str(model_dir), speculative_config=spec, **args).engine
+    engine = make_engine(model_dir, spec, **engine_args)
     params = params if isinstance(params, list) else [params] * len(prompts)
     for i, (ids, p) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), ids, p)
@@ -240,8 +261,7 @@ def test_prefix_cache_hits_with_drafts(cycle_model_dir):
     """The same prompts twice in one engine: the second round hits blocks written under
     speculation, and its tokens are the same."""
     prompt = _cycle_ids("q" + CYCLE_TEXT * 3)
-    engine = LLM(str(cycle_model_dir), dtype="float32", block_size=BLOCK_SIZE,
-                 speculative_config=SPEC).engine  # fmt: skip
+    engine = make_engine(cycle_model_dir, SPEC)
     rounds = []
     for r in range(2):
         engine.add_request(f"r{r}", prompt, GREEDY)

@@ -81,11 +81,15 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         kv_caches: list,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed(input_ids)
-        rope = self.rotary.prepare(positions, meta.max_seq_len, x.dtype)
+        ropes = self.layer_ropes(positions, meta.max_seq_len, x.dtype)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, rope, kv_cache in zip(self.model.layers, ropes, kv_caches):
             x, residual = layer(x, residual, rope, meta, kv_cache)
         return self.model.norm(x, residual)[0]
+
+    def layer_ropes(self, positions: torch.Tensor, max_seq_len: int, dtype: torch.dtype) -> list:
+        """Each layer's prepared rotary tables: Gemma 2's layers all share one base."""
+        return [self.rotary.prepare(positions, max_seq_len, dtype)] * len(self.model.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         logits = self.lm_head.logits(hidden)  # every rank's vocabulary shard, gathered

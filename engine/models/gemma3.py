@@ -14,7 +14,7 @@ import torch
 from engine.layers import RMSNorm, check_rope, rope_from_config
 from engine.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaAttention
 from engine.models.llama import head_dim_of
-from kernels import AttentionBackend, AttentionMetadata
+from kernels import AttentionBackend
 
 
 class Gemma3Attention(GemmaAttention):
@@ -67,21 +67,11 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         self.rotary = rope_from_config(ropes["full_attention"], head_dim)
         self.rotary_local = rope_from_config(ropes["sliding_attention"], head_dim)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        meta: AttentionMetadata,
-        kv_caches: list,
-    ) -> torch.Tensor:  # [T, hidden]
-        x = self.embed(input_ids)
-        rope_global = self.rotary.prepare(positions, meta.max_seq_len, x.dtype)
-        rope_local = self.rotary_local.prepare(positions, meta.max_seq_len, x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            rope = rope_local if layer.is_sliding else rope_global
-            x, residual = layer(x, residual, rope, meta, kv_cache)
-        return self.model.norm(x, residual)[0]
+    def layer_ropes(self, positions: torch.Tensor, max_seq_len: int, dtype: torch.dtype) -> list:
+        """Local layers rotate with the local base, global ones with rope_theta and its scaling."""
+        rope_global = self.rotary.prepare(positions, max_seq_len, dtype)
+        rope_local = self.rotary_local.prepare(positions, max_seq_len, dtype)
+        return [rope_local if layer.is_sliding else rope_global for layer in self.model.layers]
 
     @classmethod
     def check_config(cls, cfg, max_model_len: int) -> None:

@@ -1,0 +1,208 @@
+"""GGUF files written as llama.cpp's converter writes them, for the tests and bench/make_gguf.py:
+tensor names from gguf-py's own name map, llama q/k rows in its interleaved rotary order, the
+hyperparameters under `{arch}.*`, and the file in gguf-py's write order. Imports no engine code
+(engine/gguf_convert.py is what these files test); bench/make_gguf.py puts tests/ on sys.path.
+
+`write_gguf` writes a test folder (the byte tokenizer of tests/conftest.py, any family, optional
+quantization); the building blocks above it serve bench/make_gguf.py's real-tokenizer files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def permute_rotary(weight, heads: int):
+    """llama.cpp's `llama` layout interleaves the two rotary halves of each head's q/k rows;
+    engine/gguf_convert.py's _unpermute_rotary is the inverse."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def tensor_names(arch: str, num_layers: int):
+    """HF tensor name -> GGUF name, from gguf-py's map for `arch` (ValueError for a tensor it
+    has no name for). Qwen3-MoE's map has no dense MLP (llama.cpp has no mlp_only_layers), so
+    llama's map names those."""
+    import gguf
+
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = gguf.get_tensor_name_map(arch_id, num_layers)
+    dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, num_layers)
+
+    def gguf_name(hf_name: str) -> str:
+        stem, _, kind = hf_name.rpartition(".")
+        name = names.get_name(stem) or (arch == "qwen3moe" and dense.get_name(stem))
+        if not name:
+            raise ValueError(f"no GGUF name for tensor {hf_name!r}")
+        return f"{name}.{kind}"
+
+    return gguf_name
+
+
+def add_hparams(writer, config: dict[str, Any]) -> None:
+    """The `{arch}.*` keys every family has, from an HF config dict; rope keys are the caller's."""
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+
+
+def write_file(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# ---- a test folder as a GGUF ------------------------------------------------------------------
+def write_gguf(
+    model_dir: Path, path: Path, arch: str, name: str, qtype=None, add_bos: bool | None = None
+) -> dict:
+    """Write `model_dir` (saved with conftest's byte tokenizer) as a GGUF of `arch`, matrices
+    quantized to `qtype`; returns {GGUF tensor name: (HF names, qtype)}."""
+    import gguf
+    import numpy as np
+    from conftest import CHAT_TEMPLATE, build_byte_tokenizer
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    state = load_file(str(model_dir / "model.safetensors"))
+    tokenizer = build_byte_tokenizer()
+    gguf_name = tensor_names(arch, cfg.num_hidden_layers)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(name)
+    add_hparams(w, cfg.to_dict())
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    rope = rope.get("full_attention", rope)
+    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    if arch in ("qwen3", "qwen3moe", "gemma2", "gemma3"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    else:
+        w.add_rope_dimension_count(head_dim)
+    kind = rope.get("rope_type", "default")
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    elif kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif kind == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg))
+    elif kind == "longrope":
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], "float32"))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], "float32"))
+    if arch == "qwen3moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch.startswith("gemma"):
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
+    w.add_token_types([3] * 3 + [1] * (len(tokenizer) - 3))
+    # No merges: transformers then derives them from scores, which for bytes alone is none.
+    w.add_token_scores([0.0] * len(tokenizer))
+    w.add_bos_token_id(tokenizer.bos_token_id)
+    w.add_eos_token_id(tokenizer.eos_token_id)
+    w.add_pad_token_id(tokenizer.pad_token_id)
+    w.add_eot_token_id(tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.add_chat_template(CHAT_TEMPLATE)
+    layout: dict[str, tuple[list[str], object]] = {}
+    experts: dict[str, list[tuple[int, str]]] = {}
+    for hf_name, weight in state.items():
+        stem, kind_ = hf_name.rsplit(".", 1)
+        parts = stem.split(".")
+        if len(parts) == 7 and parts[4] == "experts":  # model.layers.L.mlp.experts.E.proj
+            proj = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}[parts[6]]
+            experts.setdefault(f"blk.{parts[2]}.ffn_{proj}_exps.{kind_}", []).append(
+                (int(parts[5]), hf_name)
+            )
+            continue
+        if arch == "llama" and stem.endswith("q_proj"):
+            weight = permute_rotary(weight, heads)
+        elif arch == "llama" and stem.endswith("k_proj"):
+            weight = permute_rotary(weight, kv_heads)
+        if arch.startswith("gemma") and stem.endswith("norm"):
+            weight = weight + 1.0  # llama.cpp stores Gemma's (1 + weight) factor
+        target = gguf_name(hf_name)
+        layout[target] = _add(w, target, weight, qtype), [hf_name]
+    for target, members in experts.items():
+        members.sort()
+        stacked = np.stack([state[n] for _, n in members])
+        layout[target] = _add(w, target, stacked, qtype), [n for _, n in members]
+    write_file(w)
+    return {k: (names_, q) for k, (q, names_) in layout.items()}
+
+
+def llama3_rope_freqs(cfg):
+    """The per-frequency divisors llama.cpp stores as rope_freqs, from transformers' own llama3
+    frequencies (an independent computation of what the converter must invert)."""
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    base = cfg.rope_parameters["rope_theta"]
+    dim = cfg.head_dim
+    default = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return (default / scaled).numpy().astype("float32")
+
+
+def _add(writer, name: str, weight, qtype):
+    """Add a tensor, quantized to qtype for matrices as llama.cpp does (vectors stay F32)."""
+    import gguf
+
+    if qtype is None or weight.ndim < 2:
+        writer.add_tensor(name, weight)
+        return gguf.GGMLQuantizationType.F32
+    if qtype in K_SCALE_OFFSETS:  # gguf-py cannot quantize K types: store random blocks
+        writer.add_tensor(name, _random_k_blocks(name, weight.shape, qtype), raw_dtype=qtype)
+        return qtype
+    writer.add_tensor(name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
+    return qtype
+
+
+def _k_offsets():
+    import gguf
+
+    t = gguf.GGMLQuantizationType
+    # byte offsets of the float16 super-block scales (d, and dmin where the type has one)
+    return {t.Q4_K: (0, 2), t.Q5_K: (0, 2), t.Q6_K: (208,)}
+
+
+K_SCALE_OFFSETS = _k_offsets()
+
+
+def _random_k_blocks(name: str, shape, qtype):
+    """Random but finite K-quant blocks for a [rows, cols] matrix (cols a multiple of 256)."""
+    import zlib
+
+    import gguf
+    import numpy as np
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    blocks = rng.integers(0, 256, (*shape[:-1], shape[-1] // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    for offset in K_SCALE_OFFSETS[qtype]:
+        blocks[..., offset : offset + 2] = scale
+    return blocks.reshape(*shape[:-1], -1)
