@@ -221,12 +221,20 @@ def main() -> None:
             "decode_len": args.decode_len, "repeats": args.repeats,
         }
         out, reason = run_vllm(args.vllm_venv, cfg)
+        label, vllm_note = "vLLM CPU float32", "ran after the others, in its own process"
+        if out is None:
+            # vLLM 0.32 has no GGUF loader of its own (vllm-gguf-plugin is CUDA-only): the same
+            # weights, dequantized by pagedserve's converter into a Hugging Face folder, instead
+            gguf_reason = reason
+            out, reason = run_vllm(args.vllm_venv, {**cfg, "gguf": str(cache)})
+            label = "vLLM CPU float32 (dequantized folder)"
+            vllm_note = (f"the GGUF failed ({gguf_reason}); ran on {cache}, the same weights "
+                         "dequantized, after the others, in its own process")
         if out is None:
             vllm_note = f"failed: {reason}"
         else:
-            results["vLLM CPU float32"] = rates(out["times"], args.decode_len, args.prefill_len)
-            tokens["vLLM CPU float32"] = out["tokens"]
-            vllm_note = "ran after the others, in its own process"
+            results[label] = rates(out["times"], args.decode_len, args.prefill_len)
+            tokens[label] = out["tokens"]
 
     hf = results["transformers float32"]
     print(
