@@ -4,7 +4,8 @@ Built on the reference backend (kernels/reference.py): the same batching, with t
 kernels/cpu_ops.py in place of its gathers and SDPA calls. The paged decode kernel takes every
 decode batch; in bf16 where AMX is available the prefill kernel takes every sequence with more
 than one new token, and the cascade kernel decodes over a shared prefix. fused_decode() runs a
-whole decode step through every layer in one call (ops.decode_layers). The thresholds below are
+whole decode step through every layer in one call (ops.decode_layers;
+ops.decode_layers_mixed where GGUF-packed linears are among them). The thresholds below are
 chosen by measurement: bench/README.md says how to rerun it (bench/cpu_ab.py).
 
 Batch invariance (kernels.cpu_ops.batch_invariant(), `--batch-invariant`): the decode kernel
