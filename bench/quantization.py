@@ -10,6 +10,14 @@ the model's linear shapes through the bf16 packed linear and int8_linear, time p
 weight bytes streamed per second (a memory-bound GEMV runs near the machine's bandwidth).
 --layered adds bf16 decoding layer by layer (no fused decode step), which is how int8 decodes.
 
+    python bench/quantization.py --gguf-decode --rounds 3
+
+c=1 decode ms/token of the default model in bf16 and re-quantized to Q8_0, Q4_0 and Q4_K
+(quantized_default: every decoder linear of that type, Q5_0 where a K type does not fit the
+576-wide rows as llama-quantize falls back, the tied lm_head in Q8_0) served packed through the
+fused decode step, interleaved in one run, with the weight MiB each holds; --layered adds the
+first type layer by layer (the step as it ran before the fused packed step).
+
     python bench/quantization.py --gguf
 
 GGUF types served packed instead (engine/layers/gguf_quant.py): per type, the linears of
@@ -24,7 +32,9 @@ import argparse
 import os
 import random
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.layers.gguf_quant import GGUF_PACKED_ENV, GGUF_TYPES, GGUFWeights, pack_parts
@@ -218,15 +228,162 @@ def gguf_gemma(rounds: int) -> None:
         print(f"{'':18} {name:7} {1e3 * min(tpot[name]):18.2f} {max(prefill[name]):21.0f}")
 
 
+# ---- the default model re-quantized to one GGUF type --------------------------------------------
+HEAD_QTYPE = "Q8_0"  # the tied lm_head / embedding's type, as in the shipped Q4_1 file
+
+
+def q4k_blocks(w: np.ndarray) -> np.ndarray:
+    """float32 [N, K] -> Q4_K blocks [N, K / 256 * 144] uint8: per 32 weights a min-max 4-bit
+    grid, its scale and min on 6-bit grids under fp16 d and dmin (gguf-py has no Q4_K
+    quantizer; any valid blocks stream the same bytes through the kernel)."""
+    n, k = w.shape
+    b = w.reshape(n, k // 256, 8, 32).astype(np.float32)
+    lo = np.minimum(b.min(-1), 0.0)
+    scale, mn = (b.max(-1) - lo) / 15.0, -lo
+    d16, dmin16 = (scale.max(-1) / 63.0).astype(np.float16), (mn.max(-1) / 63.0).astype(np.float16)
+    d, dmin = d16.astype(np.float32)[..., None], dmin16.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d > 0, np.rint(scale / d), 0).clip(0, 63).astype(np.uint8)
+        mq = np.where(dmin > 0, np.rint(mn / dmin), 0).clip(0, 63).astype(np.uint8)
+        s_eff, m_eff = (d * sc)[..., None], (dmin * mq)[..., None]
+        q = np.where(s_eff > 0, np.rint((b + m_eff) / s_eff), 0).clip(0, 15).astype(np.uint8)
+    packed = np.empty((n, k // 256, 12), np.uint8)  # the 6-bit scales and mins, as llama.cpp
+    packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = mq[..., :4] | ((mq[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 0x0F) | ((mq[..., 4:] & 0x0F) << 4)
+    q = q.reshape(n, k // 256, 4, 2, 32)  # 64 weights per 32 bytes: low nibbles, then high
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(n, k // 256, 128)
+    head = [d16[..., None].view(np.uint8), dmin16[..., None].view(np.uint8)]
+    return np.concatenate([*head, packed, qs], axis=-1).reshape(n, -1)
+
+
+# llama-quantize's type for a K-type tensor whose rows are not a multiple of 256 (SmolLM2's 576)
+K_FALLBACK = {"Q4_K": "Q5_0"}
+
+
+def gguf_blocks(qtype: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+    """(the type written, blocks): a K type falls back as llama-quantize does where it cannot."""
+    import gguf
+
+    if qtype in K_FALLBACK and w.shape[1] % 256:
+        qtype = K_FALLBACK[qtype]
+    if qtype == "Q4_K":
+        return qtype, q4k_blocks(w)
+    return qtype, gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+
+
+def quantized_default(qtype: str, head_qtype: str = HEAD_QTYPE) -> Path:
+    """The default model's folder with every decoder linear quantized to qtype (K_FALLBACK where
+    rows do not fit 256) from its float32
+    weights (the lm_head / tied embedding to head_qtype), written once under the cache; serve
+    it packed with $PAGEDSERVE_GGUF_PACKED=1."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from engine.layers.gguf_quant import BLOCKS_FILE
+    from engine.model_loader import default_cache_dir, resolve_model
+
+    src = resolve_model(None)
+    out = default_cache_dir() / "bench-quantized" / f"{src.name}-{qtype}-{head_qtype}"
+    if (out / BLOCKS_FILE).is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != BLOCKS_FILE and not (out / f.name).exists():
+            (out / f.name).symlink_to(f)
+    blocks, types = {}, {}
+    with safe_open(str(src / "model.safetensors"), framework="numpy") as f:
+        for name in f.keys():
+            linear = name.startswith("model.layers.") and name.endswith("proj.weight")
+            if not linear and name != "model.embed_tokens.weight":
+                continue
+            t, raw = gguf_blocks(qtype if linear else head_qtype, f.get_tensor(name))
+            blocks[name], types[name] = np.ascontiguousarray(raw), t
+    save_file(blocks, str(out / (BLOCKS_FILE + ".part")), metadata=types)
+    (out / (BLOCKS_FILE + ".part")).replace(out / BLOCKS_FILE)
+    return out
+
+
+def weight_mib(model) -> float:
+    """MiB the decoder linears and the lm_head / embedding table(s) hold."""
+    head = model.lm_head
+    embed = model.model.embed_tokens
+    tables = [] if getattr(embed, "gguf", None) is not None else [embed.weight]
+    quant = getattr(head, "quant", None)
+    head_bytes = quant.num_bytes() if quant is not None else 0
+    if quant is None and head.weight is not None and head.weight is not embed.weight:
+        tables.append(head.weight)
+    table_bytes = sum(_tensor_bytes(t) for t in tables if t is not None)
+    return (held_bytes(model) + head_bytes + table_bytes) / 2**20
+
+
+def gguf_decode(rounds: int, types: list[str], layered: bool) -> None:
+    """c=1 decode of the default model: bf16 against each type served packed, interleaved."""
+    arms: dict[str, LLM] = {}
+    # one 385-token sequence at a time: a small KV cache each, so that five arms fit
+    kw = dict(dtype="bfloat16", kv_cache_memory_bytes=64 << 20)
+    os.environ[GGUF_PACKED_ENV] = "0"
+    arms["bf16"] = LLM(None, **kw)
+    os.environ[GGUF_PACKED_ENV] = "1"  # the re-quantized folders are served packed
+    for qtype in types:
+        arms[qtype] = LLM(str(quantized_default(qtype)), **kw)
+    if layered:
+        arms[f"{types[0]}-layers"] = LLM(str(quantized_default(types[0])), **kw)
+        arms[f"{types[0]}-layers"].engine.runner.fused_decode = None
+    os.environ.pop(GGUF_PACKED_ENV)
+    steps = {name: _count_fused(llm) for name, llm in arms.items()}
+    rng = random.Random(0)
+    tpot: dict[str, list[float]] = {name: [] for name in arms}
+    for r in range(rounds):
+        order = list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]
+        for name, llm in order:
+            prompt = [ids(rng, 256)]  # fresh tokens: no prefix-cache hits
+            one = timed(llm, prompt, 1)
+            full = timed(llm, [prompt[0][::-1]], 129)
+            tpot[name].append((full - one) / 128)
+            print(f"round {r} {name}: {1e3 * tpot[name][-1]:.2f} ms/tok", flush=True)
+    print(f"\nc=1 decode, default model ({torch.get_num_threads()} threads)")
+    print(f"{'arm':10} {'fused steps':>11} {'weight MiB':>10} {'ms/tok best':>11} {'median':>7} "
+          f"{'x bf16':>6}")
+    base = min(tpot["bf16"])
+    for name, llm in arms.items():
+        best, median = min(tpot[name]), sorted(tpot[name])[len(tpot[name]) // 2]
+        mib = weight_mib(llm.engine.runner.model)
+        print(f"{name:10} {len(steps[name]):11d} {mib:10.1f} {1e3 * best:11.2f} "
+              f"{1e3 * median:7.2f} {base / best:6.2f}")
+
+
+def _count_fused(llm: LLM) -> list:
+    """Appends to the returned list at each fused decode step the arm takes."""
+    calls: list = []
+    fused = llm.engine.runner.fused_decode
+    if fused is not None:
+        run = fused.run
+
+        def counted(*args):
+            calls.append(1)
+            return run(*args)
+
+        fused.run = counted
+    return calls
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--gguf", action="store_true", help="the GGUF packed types instead of int8")
     p.add_argument("--gguf-types", default="Q8_0,Q4_0,Q4_1,Q5_0,Q4_K,Q6_K")
+    p.add_argument("--gguf-decode", action="store_true",
+                   help="c=1 decode of the default model: bf16 against Q8_0, Q4_0, Q4_K packed")
+    p.add_argument("--decode-types", default="Q8_0,Q4_0,Q4_K")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--gemv-reps", type=int, default=2000)
-    p.add_argument("--layered", action="store_true", help="also bf16 without the fused decode")
+    p.add_argument("--layered", action="store_true",
+                   help="also bf16 (--gguf-decode: the first type) without the fused decode")
     args = p.parse_args()
     ops = load_cpu_ops()
+    if args.gguf_decode:
+        gguf_decode(args.rounds, args.decode_types.split(","), args.layered)
+        return
     if args.gguf:
         gguf_linears(ops, args.gguf_types.split(","))
         gguf_gemma(args.rounds)

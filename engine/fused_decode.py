@@ -12,9 +12,12 @@ Llama's shape:
 with one full-width rotary (any scaling variant: the kernel reads its cos|sin table) and one eps;
 self_attn may also hold Qwen3's per-head `q_norm` and `k_norm` (RMSNorm, in every layer), which
 the kernel applies before RoPE as the layers do, and qkv_proj a bias (Qwen2, in every layer),
-which the kernel adds in the linear's epilogue as the layers' packed linear does. Any other
-module inside a layer (extra norms, experts), a bias on another linear or a norm subclass make
-it decline.
+which the kernel adds in the linear's epilogue as the layers' packed linear does. Each
+projection is AMX-packed bf16 or, served packed from a GGUF (`--quantization gguf`), GGUF parts
+(engine/layers/gguf_quant.py GGUFWeights on the C++ kernels, any mix of types), which the step
+multiplies with the same gguf_linear calls the layers make. Any other module inside a layer
+(extra norms, experts), a bias on another linear, int8 weights or a norm subclass make it
+decline.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import torch
 from torch import nn
 
 from engine.layers import Attention, RMSNorm, RotaryEmbedding, SiluAndMul
+from engine.layers.gguf_quant import GGUFWeights
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kernels import AttentionBackend, AttentionMetadata
-from kernels.backend import DecoderStack, FusedDecodeStep
+from kernels.backend import DecoderStack, FusedDecodeStep, QuantLinear, QuantPart
 
 _LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 # the model's linears at one rank (the runner builds no fused step above one)
@@ -69,9 +73,8 @@ def decoder_stack(model: nn.Module) -> DecoderStack | None:
     attn = None
     first = model.model.layers[0].self_attn
     qk_norm = hasattr(first, "q_norm")  # the same in every layer
-    qkv_bias = getattr(getattr(first, "qkv_proj", None), "packed", None) is not None and (
-        first.qkv_proj.packed.bias is not None
-    )
+    first_qkv = getattr(first, "qkv_proj", None)
+    qkv_bias = first_qkv is not None and _bias(first_qkv) is not None
     for layer in model.model.layers:
         if not _children_are(layer, dict.fromkeys(_LAYER)):
             return None
@@ -83,20 +86,20 @@ def decoder_stack(model: nn.Module) -> DecoderStack | None:
         if any(type(n) is not RMSNorm for n in norms):
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(m.packed is None for m in linears):
-            return None  # unpacked (not bf16 on CPU): the kernel takes packed weights only
-        biases = [m.packed.bias is not None for m in linears]
+        if any(m.packed is None and _gguf(m) is None for m in linears):
+            return None  # unpacked (not bf16 on CPU, int8): the kernels take packed weights only
+        biases = [_bias(m) is not None for m in linears]
         if biases != [qkv_bias, False, False, False]:
             return None  # the kernel has a bias on qkv only, in every layer or none
         eps.update(n.eps for n in norms)
-        weights += [norms[0].weight, linears[0].kernel_weight]
+        weights += [norms[0].weight, _kernel_weight(linears[0])]
         if qkv_bias:  # one more weight per layer, after qkv: the kernel's layout with a bias
-            weights.append(linears[0].packed.bias)
+            weights.append(_bias(linears[0]))
         if qk_norm:  # two more per layer, after qkv (and its bias): the q/k norms
             weights += [attn.q_norm.weight, attn.k_norm.weight]
             eps.update((attn.q_norm.eps, attn.k_norm.eps))
-        weights += [linears[1].kernel_weight, norms[1].weight]
-        weights += [linears[2].kernel_weight, linears[3].kernel_weight]
+        weights += [_kernel_weight(linears[1]), norms[1].weight]
+        weights += [_kernel_weight(linears[2]), _kernel_weight(linears[3])]
     if attn is None or len(eps) != 1 or rotary.head_dim != attn.head_dim:
         return None
     return DecoderStack(
@@ -107,8 +110,40 @@ def decoder_stack(model: nn.Module) -> DecoderStack | None:
         num_kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim,
         scale=attn.scale,
-        dtype=model.model.embed_tokens.weight.dtype,
+        dtype=_model_dtype(model),
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
     )
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    """The embedding table's dtype; the final norm's where a tied packed lm_head holds it."""
+    table = model.model.embed_tokens.weight
+    return (model.model.norm.weight if table is None else table).dtype
+
+
+def _gguf(linear: nn.Module) -> GGUFWeights | None:
+    """linear's GGUF-packed weights where they run on the C++ kernels, else None."""
+    quant = getattr(linear, "quant", None)
+    return quant if isinstance(quant, GGUFWeights) and quant.ops is not None else None
+
+
+def _bias(linear: nn.Module) -> torch.Tensor | None:
+    quant = _gguf(linear)
+    if quant is not None:
+        return quant.bias
+    return None if linear.packed is None else linear.packed.bias
+
+
+def _kernel_weight(linear: nn.Module) -> torch.Tensor | QuantLinear | None:
+    """The projection as the kernels take it: the AMX packing, or the GGUF parts."""
+    quant = _gguf(linear)
+    if quant is None:
+        return linear.kernel_weight
+    return QuantLinear([
+        QuantPart(p.qs, p.qh, p.scales, p.mins, p.out_features, p.bits, p.zero)
+        for p in quant.parts
+    ])
 
 
 def _children_are(module: nn.Module, expected: dict) -> bool:

@@ -100,15 +100,38 @@ class AttentionBackend:
 
 
 @dataclass
+class QuantPart:
+    """Consecutive output rows of a linear in one GGUF type, in kernels/csrc/gguf_quant.cpp's
+    re-packed layout (engine/layers/gguf_quant.py PackedQuant's buffers)."""
+
+    qs: torch.Tensor  # uint8 [G, B, 4 or 8, 64]
+    qh: torch.Tensor | None  # uint8 [G, B, 1 or 2, 64]: 5 and 6 bits only
+    scales: torch.Tensor  # float32 [G, S, 16]
+    mins: torch.Tensor | None  # float32 [G, B, 16]: the types with a min
+    out_features: int
+    bits: int
+    zero: int
+
+
+@dataclass
+class QuantLinear:
+    """A projection held as GGUF-packed parts, multiplied part by part into its output columns."""
+
+    parts: list[QuantPart]
+
+
+@dataclass
 class DecoderStack:
     """A pre-norm decoder (Llama's layer shape: norm, qkv, rope, attention, o, norm, gate_up,
-    SiLU-and-mul, down; no biases, no q/k norms) in the terms a fused decode kernel takes.
+    SiLU-and-mul, down) in the terms a fused decode kernel takes.
 
-    layer_weights holds six tensors per layer: input norm weight, qkv, o, post-attention norm
-    weight, gate_up, down, the four projections as the kernels packed them.
+    layer_weights holds per layer: input norm weight, qkv, (qkv bias), (q norm, k norm weights),
+    o, post-attention norm weight, gate_up, down: six tensors, seven with qkv_bias, eight with
+    qk_norm, nine with both. A projection is a tensor as the kernels packed it (the AMX packing
+    in bf16), a QuantLinear (GGUF-packed parts), or None where the layer holds neither.
     """
 
-    layer_weights: list[torch.Tensor]
+    layer_weights: list[torch.Tensor | QuantLinear | None]
     final_norm_weight: torch.Tensor
     eps: float  # every norm's, the same
     num_heads: int
@@ -119,6 +142,12 @@ class DecoderStack:
     # Any layer's sliding window / logit cap (0: none); fused decode kernels decline either.
     window: int = 0
     softcap: float = 0.0
+    qkv_bias: bool = False  # every layer's qkv has a bias (Qwen2)
+    qk_norm: bool = False  # every layer has per-head q/k norms (Qwen3)
+
+    @property
+    def has_quant(self) -> bool:
+        return any(isinstance(w, QuantLinear) for w in self.layer_weights)
 
 
 class FusedDecodeStep:

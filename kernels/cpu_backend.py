@@ -4,7 +4,8 @@ Built on the reference backend (kernels/reference.py): the same batching, with t
 kernels/cpu_ops.py in place of its gathers and SDPA calls. The paged decode kernel takes every
 decode batch; in bf16 where AMX is available the prefill kernel takes every sequence with more
 than one new token, and the cascade kernel decodes over a shared prefix. fused_decode() runs a
-whole decode step through every layer in one call (ops.decode_layers). The thresholds below are
+whole decode step through every layer in one call (ops.decode_layers;
+ops.decode_layers_mixed where GGUF-packed linears are among them). The thresholds below are
 chosen by measurement: bench/README.md says how to rerun it (bench/cpu_ab.py).
 
 Batch invariance (kernels.cpu_ops.batch_invariant(), `--batch-invariant`): the decode kernel
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import AttentionMetadata, DecoderStack, FusedDecodeStep
+from kernels.backend import AttentionMetadata, DecoderStack, FusedDecodeStep, QuantLinear
 from kernels.cpu_ops import batch_invariant as batch_invariant_default
 from kernels.reference import TorchAttentionBackend
 
@@ -165,12 +166,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
         )
 
     def fused_decode(self, stack: DecoderStack) -> CpuFusedDecode | None:
-        """The decode_layers step for a bf16 stack whose projections are all AMX-packed (the
-        caller passes None weights for any the kernel does not hold), else None; None too for
-        a stack with a sliding window or a logit cap (decode_layers has neither)."""
+        """The decode_layers step for a bf16 stack whose projections are all AMX-packed, or
+        the decode_layers_mixed step where some are GGUF-packed parts (QuantLinear, on the
+        CPU; the others AMX-packed); else None (the caller passes None weights for any the
+        kernels do not hold); None too for a stack with a sliding window or a logit cap
+        (decode_layers has neither)."""
         if stack.dtype != torch.bfloat16 or any(w is None for w in stack.layer_weights):
             return None
         if stack.window > 0 or stack.softcap > 0:
+            return None
+        quant = [w for w in stack.layer_weights if isinstance(w, QuantLinear)]
+        if any(p.qs.device.type != "cpu" for w in quant for p in w.parts):
             return None
         return CpuFusedDecode(self, stack)
 
@@ -181,6 +187,8 @@ class CpuFusedDecode(FusedDecodeStep):
 
     def __init__(self, backend: CpuAttentionBackend, stack: DecoderStack) -> None:
         self.backend, self.stack = backend, stack
+        # GGUF-packed projections: decode_layers_mixed's flat weights and spec, built once
+        self.mixed = mixed_layout(stack.layer_weights) if stack.has_quant else None
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return meta.is_decode_only and meta.num_seqs <= FUSED_DECODE_MAX_ROWS
@@ -197,12 +205,41 @@ class CpuFusedDecode(FusedDecodeStep):
         )
         none = x.new_empty(0, dtype=torch.int32)
         prefix_blocks, prefix_len, suffix_table, suffix_lens = plan or (none, 0, none, none)
-        return self.backend.ops.decode_layers(
-            x, positions, cos_sin, s.layer_weights, [c for kv in kv_caches for c in kv],
+        caches = [c for kv in kv_caches for c in kv]
+        rest = (
             s.final_norm_weight, meta.slot_mapping, meta.block_table, meta.seq_lens, prefix_len,
             prefix_blocks, suffix_table, suffix_lens, s.num_heads, s.num_kv_heads, s.head_dim,
             s.eps, s.scale, invariant,
         )
+        if self.mixed is None:
+            return self.backend.ops.decode_layers(
+                x, positions, cos_sin, s.layer_weights, caches, *rest
+            )
+        weights, spec = self.mixed
+        return self.backend.ops.decode_layers_mixed(
+            x, positions, cos_sin, weights, spec, s.qkv_bias, s.qk_norm, caches, *rest
+        )
+
+
+def mixed_layout(layer_weights: list) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """decode_layers_mixed's (weights, spec): each QuantLinear becomes its parts' tensors (qs,
+    qh, scales, mins, those it has) and spec entries [P, then n, bits, zero, has_qh, has_mins
+    per part]; an AMX-packed projection stays one tensor with the entry [0]; a norm or bias is
+    a tensor without an entry. A tensor projection and a norm are told apart by rank: AMX
+    packings are 3-D or more, norms and biases 1-D."""
+    weights: list[torch.Tensor] = []
+    spec: list[int] = []
+    for w in layer_weights:
+        if isinstance(w, QuantLinear):
+            spec.append(len(w.parts))
+            for p in w.parts:
+                spec += [p.out_features, p.bits, p.zero, p.qh is not None, p.mins is not None]
+                weights += [t for t in (p.qs, p.qh, p.scales, p.mins) if t is not None]
+        else:
+            if w.dim() > 1:
+                spec.append(0)
+            weights.append(w)
+    return weights, torch.tensor(spec, dtype=torch.int64)
 
 
 def argmax_rows(ops):

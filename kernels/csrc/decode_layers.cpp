@@ -13,6 +13,12 @@
 // gets for the same query, whatever the batch), else the cascade kernel when
 // cascade_prefix_len > 0 (prefix_blocks, suffix_table, suffix_lens as TorchAttentionBackend
 // prepares them), else the decode kernel.
+// decode_layers_mixed: the same step where each linear is either AMX-packed bf16 or GGUF-packed
+// parts (gguf_quant.cpp's layout, consecutive output rows of one type each, multiplied by
+// gguf_linear part by part as engine/layers/gguf_quant.py's GGUFWeights does). The layout per
+// layer is the one above with each linear a run of tensors that `spec` (int64, read in order,
+// one entry list per linear) describes: [0] one AMX-packed tensor follows; [P, then per part
+// n, bits, zero, has_qh, has_mins] the tensors qs, (qh), scales, (mins) of each part follow.
 // embeds is the residual stream and is overwritten; returns the final norm's output.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -21,6 +27,181 @@
 #include "ops.h"
 
 namespace pagedserve_cpu {
+namespace {
+
+struct GgufPart {
+  const at::Tensor* qs;
+  const at::Tensor* qh;  // nullptr: 4 or 8 bits
+  const at::Tensor* scales;
+  const at::Tensor* mins;  // nullptr: a type without a min
+  int64_t n, bits, zero;
+};
+
+// One projection: AMX-packed bf16 (amx) or GGUF parts; n its output features.
+struct LinearW {
+  const at::Tensor* amx = nullptr;
+  std::vector<GgufPart> parts;
+  int64_t n = 0;
+};
+
+struct LayerW {
+  const at::Tensor* in_norm = nullptr;
+  const at::Tensor* qkv_bias = nullptr;
+  const at::Tensor* q_norm = nullptr;
+  const at::Tensor* k_norm = nullptr;
+  const at::Tensor* post_norm = nullptr;
+  LinearW qkv, o, gate_up, down;
+};
+
+std::optional<at::Tensor> maybe(const at::Tensor* t) {
+  return t != nullptr ? std::optional<at::Tensor>(*t) : std::nullopt;
+}
+
+LinearW amx_weight(const at::Tensor& packed) {
+  LinearW w;
+  w.amx = &packed;
+  w.n = packed.size(0) * 16;  // amx_pack_weight's rows of 16 outputs
+  return w;
+}
+
+// out [tokens, n] = x @ W^T (+ bias): the calls the layers' linear makes for this weight.
+void run_linear(const at::Tensor& out, const at::Tensor& x, const LinearW& w,
+                const at::Tensor* bias) {
+  if (w.amx != nullptr) {
+    amx_linear(out, x, *w.amx, maybe(bias));
+    return;
+  }
+  int64_t start = 0;
+  for (const GgufPart& p : w.parts) {
+    const std::optional<at::Tensor> b =
+        bias != nullptr ? std::optional<at::Tensor>(bias->narrow(0, start, p.n)) : std::nullopt;
+    gguf_linear(out.narrow(1, start, p.n), x, *p.qs, maybe(p.qh), *p.scales, maybe(p.mins),
+                p.bits, p.zero, b);
+    start += p.n;
+  }
+}
+
+struct StepArgs {
+  const at::Tensor& positions;
+  const at::Tensor& cos_sin;
+  const std::vector<at::Tensor>& caches;
+  const at::Tensor& final_norm;
+  const at::Tensor& slot_mapping;
+  const at::Tensor& block_table;
+  const at::Tensor& seq_lens;
+  int64_t cascade_prefix_len;
+  const at::Tensor& prefix_blocks;
+  const at::Tensor& suffix_table;
+  const at::Tensor& suffix_lens;
+  int64_t num_heads, num_kv_heads, head_dim;
+  double eps, scale;
+  bool batch_invariant;
+};
+
+at::Tensor run_layers(const at::Tensor& embeds, const std::vector<LayerW>& layers,
+                      const StepArgs& s) {
+  TORCH_CHECK(s.caches.size() == 2 * layers.size(), "two caches per layer");
+  TORCH_CHECK(embeds.dim() == 2 && embeds.is_contiguous() && embeds.size(0) <= 32,
+              "embeds: [tokens <= 32, hidden], contiguous");
+  const int64_t tokens = embeds.size(0), hidden = embeds.size(1);
+  const int64_t head_dim = s.head_dim;
+  const int64_t q_size = s.num_heads * head_dim, kv_size = s.num_kv_heads * head_dim;
+  const auto opts = embeds.options();
+  const at::Tensor& residual = embeds;
+  at::Tensor x = at::empty_like(embeds);
+  // batch_invariant: every row a one-query sequence of the prefill kernel
+  at::Tensor q_start, q_len;
+  if (s.batch_invariant) {
+    q_start = at::empty({tokens}, s.seq_lens.options());
+    q_len = at::empty({tokens}, s.seq_lens.options());
+    for (int64_t t = 0; t < tokens; ++t) {
+      q_start.data_ptr<int32_t>()[t] = static_cast<int32_t>(t);
+      q_len.data_ptr<int32_t>()[t] = 1;
+    }
+  }
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const LayerW& w = layers[l];
+    const at::Tensor& k_cache = s.caches[2 * l];
+    const at::Tensor& v_cache = s.caches[2 * l + 1];
+    if (l == 0) {
+      rms_norm(x, residual, *w.in_norm, s.eps);
+    } else {
+      fused_add_rms_norm(x, residual, *w.in_norm, s.eps);
+    }
+    at::Tensor qkv = at::empty({tokens, q_size + 2 * kv_size}, opts);
+    run_linear(qkv, x, w.qkv, w.qkv_bias);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, s.num_heads, head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, s.num_kv_heads, head_dim});
+    if (w.q_norm != nullptr) {
+      const at::Tensor q_rows = q.reshape({-1, head_dim}).contiguous();
+      const at::Tensor k_rows = k.reshape({-1, head_dim}).contiguous();
+      at::Tensor q_out = at::empty_like(q_rows);
+      at::Tensor k_out = at::empty_like(k_rows);
+      rms_norm(q_out, q_rows, *w.q_norm, s.eps);
+      rms_norm(k_out, k_rows, *w.k_norm, s.eps);
+      q = q_out.view({tokens, s.num_heads, head_dim});
+      k = k_out.view({tokens, s.num_kv_heads, head_dim});
+    }
+    const at::Tensor v =
+        qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, s.num_kv_heads, head_dim});
+    rotary_embedding(s.positions, q, k, s.cos_sin);
+    write_kv(k, v, k_cache, v_cache, s.slot_mapping);
+    at::Tensor attn = at::empty({tokens, s.num_heads, head_dim}, opts);
+    if (s.batch_invariant) {
+      paged_attention_prefill(attn, q, k_cache, v_cache, s.block_table, q_start, q_len,
+                              s.seq_lens, s.scale);
+    } else if (s.cascade_prefix_len > 0) {
+      paged_attention_cascade(attn, q, k_cache, v_cache, s.prefix_blocks, s.cascade_prefix_len,
+                              s.suffix_table, s.suffix_lens, s.scale);
+    } else {
+      paged_attention_decode(attn, q, k_cache, v_cache, s.block_table, s.seq_lens, s.scale);
+    }
+    x = at::empty({tokens, hidden}, opts);
+    run_linear(x, attn.view({tokens, q_size}), w.o, nullptr);
+    fused_add_rms_norm(x, residual, *w.post_norm, s.eps);
+    at::Tensor gate_up = at::empty({tokens, w.gate_up.n}, opts);
+    run_linear(gate_up, x, w.gate_up, nullptr);
+    at::Tensor h = at::empty({tokens, gate_up.size(1) / 2}, opts);
+    silu_and_mul(h, gate_up);
+    x = at::empty({tokens, hidden}, opts);
+    run_linear(x, h, w.down, nullptr);
+  }
+  fused_add_rms_norm(x, residual, s.final_norm, s.eps);
+  return x;
+}
+
+// Reads one linear of decode_layers_mixed's layout: spec entries from spec[*at], tensors from
+// weights[*next].
+LinearW read_linear(const std::vector<at::Tensor>& weights, size_t* next, const int64_t* spec,
+                    int64_t spec_len, int64_t* pos) {
+  TORCH_CHECK(*pos < spec_len, "decode_layers_mixed: spec ends before the weights do");
+  const int64_t num_parts = spec[(*pos)++];
+  auto take = [&]() -> const at::Tensor* {
+    TORCH_CHECK(*next < weights.size(), "decode_layers_mixed: the weights end before the spec");
+    return &weights[(*next)++];
+  };
+  if (num_parts == 0) return amx_weight(*take());
+  LinearW w;
+  TORCH_CHECK(num_parts > 0 && *pos + 5 * num_parts <= spec_len,
+              "decode_layers_mixed: spec ends inside a linear");
+  for (int64_t p = 0; p < num_parts; ++p) {
+    const int64_t* e = spec + *pos;
+    *pos += 5;
+    GgufPart part{};
+    part.n = e[0];
+    part.bits = e[1];
+    part.zero = e[2];
+    part.qs = take();
+    part.qh = e[3] != 0 ? take() : nullptr;
+    part.scales = take();
+    part.mins = e[4] != 0 ? take() : nullptr;
+    w.parts.push_back(part);
+    w.n += part.n;
+  }
+  return w;
+}
+
+}  // namespace
 
 at::Tensor decode_layers(
     const at::Tensor& embeds, const at::Tensor& positions, const at::Tensor& cos_sin,
@@ -29,82 +210,83 @@ at::Tensor decode_layers(
     const at::Tensor& seq_lens, int64_t cascade_prefix_len, const at::Tensor& prefix_blocks,
     const at::Tensor& suffix_table, const at::Tensor& suffix_lens, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool batch_invariant) {
-  const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
-  const int64_t per_layer = layers > 0 ? static_cast<int64_t>(weights.size()) / layers : 6;
-  TORCH_CHECK(caches.size() == static_cast<size_t>(2 * layers) && per_layer >= 6 &&
-                  per_layer <= 9 && weights.size() == static_cast<size_t>(per_layer * layers),
+  const int64_t num_layers = static_cast<int64_t>(caches.size()) / 2;
+  const int64_t per_layer = num_layers > 0 ? static_cast<int64_t>(weights.size()) / num_layers : 6;
+  TORCH_CHECK(caches.size() == static_cast<size_t>(2 * num_layers) && per_layer >= 6 &&
+                  per_layer <= 9 && weights.size() == static_cast<size_t>(per_layer * num_layers),
               "six weights per layer (seven with a qkv bias, eight with q/k norms, nine with "
               "both) and two caches per layer");
   const bool qkv_bias = per_layer % 2 == 1, qk_norm = per_layer >= 8;
-  TORCH_CHECK(embeds.dim() == 2 && embeds.is_contiguous() && embeds.size(0) <= 32,
-              "embeds: [tokens <= 32, hidden], contiguous");
-  const int64_t tokens = embeds.size(0), hidden = embeds.size(1);
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const auto opts = embeds.options();
-  const at::Tensor& residual = embeds;
-  at::Tensor x = at::empty_like(embeds);
-  // batch_invariant: every row a one-query sequence of the prefill kernel
-  at::Tensor q_start, q_len;
-  if (batch_invariant) {
-    q_start = at::empty({tokens}, seq_lens.options());
-    q_len = at::empty({tokens}, seq_lens.options());
-    for (int64_t t = 0; t < tokens; ++t) {
-      q_start.data_ptr<int32_t>()[t] = static_cast<int32_t>(t);
-      q_len.data_ptr<int32_t>()[t] = 1;
-    }
-  }
-  for (int64_t l = 0; l < layers; ++l) {
+  std::vector<LayerW> layers(num_layers);
+  for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + per_layer * l;
     const at::Tensor* w_qk = w + (qkv_bias ? 3 : 2);  // q norm, k norm
     const at::Tensor* w_out = w + (per_layer - 6);  // o, post norm, gate_up, down at 2..5
-    const at::Tensor& k_cache = caches[2 * l];
-    const at::Tensor& v_cache = caches[2 * l + 1];
-    if (l == 0) {
-      rms_norm(x, residual, w[0], eps);
-    } else {
-      fused_add_rms_norm(x, residual, w[0], eps);
-    }
-    const int64_t qkv_cols = q_size + 2 * kv_size;
-    at::Tensor qkv = at::empty({tokens, qkv_cols}, opts);
-    amx_linear(qkv, x, w[1], qkv_bias ? std::optional<at::Tensor>(w[2]) : std::nullopt);
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
-    if (qk_norm) {
-      const at::Tensor q_rows = q.reshape({-1, head_dim}).contiguous();
-      const at::Tensor k_rows = k.reshape({-1, head_dim}).contiguous();
-      at::Tensor q_out = at::empty_like(q_rows);
-      at::Tensor k_out = at::empty_like(k_rows);
-      rms_norm(q_out, q_rows, w_qk[0], eps);
-      rms_norm(k_out, k_rows, w_qk[1], eps);
-      q = q_out.view({tokens, num_heads, head_dim});
-      k = k_out.view({tokens, num_kv_heads, head_dim});
-    }
-    const at::Tensor v =
-        qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
-    rotary_embedding(positions, q, k, cos_sin);
-    write_kv(k, v, k_cache, v_cache, slot_mapping);
-    at::Tensor attn = at::empty({tokens, num_heads, head_dim}, opts);
-    if (batch_invariant) {
-      paged_attention_prefill(attn, q, k_cache, v_cache, block_table, q_start, q_len, seq_lens,
-                              scale);
-    } else if (cascade_prefix_len > 0) {
-      paged_attention_cascade(attn, q, k_cache, v_cache, prefix_blocks, cascade_prefix_len,
-                              suffix_table, suffix_lens, scale);
-    } else {
-      paged_attention_decode(attn, q, k_cache, v_cache, block_table, seq_lens, scale);
-    }
-    x = at::empty({tokens, hidden}, opts);
-    amx_linear(x, attn.view({tokens, q_size}), w_out[2]);
-    fused_add_rms_norm(x, residual, w_out[3], eps);
-    at::Tensor gate_up = at::empty({tokens, w_out[4].size(0) * 16}, opts);
-    amx_linear(gate_up, x, w_out[4]);
-    at::Tensor h = at::empty({tokens, gate_up.size(1) / 2}, opts);
-    silu_and_mul(h, gate_up);
-    x = at::empty({tokens, hidden}, opts);
-    amx_linear(x, h, w_out[5]);
+    LayerW& layer = layers[l];
+    layer.in_norm = &w[0];
+    layer.qkv = amx_weight(w[1]);
+    layer.qkv_bias = qkv_bias ? &w[2] : nullptr;
+    layer.q_norm = qk_norm ? &w_qk[0] : nullptr;
+    layer.k_norm = qk_norm ? &w_qk[1] : nullptr;
+    layer.o = amx_weight(w_out[2]);
+    layer.post_norm = &w_out[3];
+    layer.gate_up = amx_weight(w_out[4]);
+    layer.down = amx_weight(w_out[5]);
   }
-  fused_add_rms_norm(x, residual, final_norm, eps);
-  return x;
+  const StepArgs args{positions,  cos_sin,      caches,       final_norm,  slot_mapping,
+                      block_table, seq_lens,    cascade_prefix_len, prefix_blocks,
+                      suffix_table, suffix_lens, num_heads,    num_kv_heads, head_dim,
+                      eps,          scale,       batch_invariant};
+  return run_layers(embeds, layers, args);
+}
+
+at::Tensor decode_layers_mixed(
+    const at::Tensor& embeds, const at::Tensor& positions, const at::Tensor& cos_sin,
+    const std::vector<at::Tensor>& weights, const at::Tensor& spec, bool qkv_bias, bool qk_norm,
+    const std::vector<at::Tensor>& caches, const at::Tensor& final_norm,
+    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens,
+    int64_t cascade_prefix_len, const at::Tensor& prefix_blocks, const at::Tensor& suffix_table,
+    const at::Tensor& suffix_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    double eps, double scale, bool batch_invariant) {
+  TORCH_CHECK(spec.scalar_type() == at::kLong && spec.dim() == 1 && spec.is_contiguous(),
+              "decode_layers_mixed: spec must be contiguous int64 [entries]");
+  TORCH_CHECK(caches.size() % 2 == 0, "two caches per layer");
+  const int64_t* sp = spec.data_ptr<int64_t>();
+  const int64_t spec_len = spec.numel();
+  int64_t pos = 0;
+  size_t next = 0;
+  auto take = [&]() -> const at::Tensor* {
+    TORCH_CHECK(next < weights.size(), "decode_layers_mixed: the weights end before the layers");
+    return &weights[next++];
+  };
+  std::vector<LayerW> layers(caches.size() / 2);
+  for (LayerW& layer : layers) {
+    layer.in_norm = take();
+    layer.qkv = read_linear(weights, &next, sp, spec_len, &pos);
+    if (qkv_bias) layer.qkv_bias = take();
+    if (qk_norm) {
+      layer.q_norm = take();
+      layer.k_norm = take();
+    }
+    layer.o = read_linear(weights, &next, sp, spec_len, &pos);
+    layer.post_norm = take();
+    layer.gate_up = read_linear(weights, &next, sp, spec_len, &pos);
+    layer.down = read_linear(weights, &next, sp, spec_len, &pos);
+  }
+  TORCH_CHECK(next == weights.size() && pos == spec_len,
+              "decode_layers_mixed: weights or spec left over after the last layer");
+  const int64_t hidden = embeds.size(-1), q_size = num_heads * head_dim;
+  for (const LayerW& l : layers) {  // AMX widths are checked by amx_linear
+    auto fits = [](const LinearW& w, int64_t n) { return w.amx != nullptr || w.n == n; };
+    TORCH_CHECK(fits(l.qkv, q_size + 2 * num_kv_heads * head_dim) && fits(l.o, hidden) &&
+                    fits(l.down, hidden) && l.gate_up.n % 2 == 0,
+                "decode_layers_mixed: a GGUF linear's parts do not add up to its width");
+  }
+  const StepArgs args{positions,  cos_sin,      caches,       final_norm,  slot_mapping,
+                      block_table, seq_lens,    cascade_prefix_len, prefix_blocks,
+                      suffix_table, suffix_lens, num_heads,    num_kv_heads, head_dim,
+                      eps,          scale,       batch_invariant};
+  return run_layers(embeds, layers, args);
 }
 
 }  // namespace pagedserve_cpu

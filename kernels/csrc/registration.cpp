@@ -35,6 +35,7 @@
 //     gguf_kernel / set_gguf_portable   which path runs (VNNI or portable); force portable
 //   decode_layers.cpp
 //     decode_layers            one decode step through every decoder layer
+//     decode_layers_mixed      the same, each linear AMX-packed bf16 or GGUF-packed parts
 // A new kernel family is one more .cpp here (declared in ops.h) and its m.def lines below.
 #include <torch/library.h>
 
@@ -67,6 +68,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("amx_linear(Tensor out, Tensor x, Tensor packed, Tensor? bias=None) -> ()", &amx_linear);
   m.def("moe_experts", &moe_experts);
   m.def("decode_layers", &decode_layers);
+  m.def("decode_layers_mixed", &decode_layers_mixed);
   m.def("int8_linear", &int8_linear);
   m.def("int8_kernel", &int8_kernel);
   m.def("set_int8_portable", &set_int8_portable);
