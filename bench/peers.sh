@@ -14,7 +14,9 @@
 # pagedserve variants (PAGEDSERVE_VARIANTS, space-separated; '+' joins a base and modifiers):
 #   bf16            the default model's HF folder, --dtype bfloat16
 #   int8            the same with --quantization int8
-#   gguf-TYPE       the GGUF file of TYPE (BF16, Q8_0, Q4_K_M, ...) from bench/make_gguf.py
+#   gguf-TYPE       the GGUF file of TYPE (BF16, Q8_0, Q4_K_M, ...) from bench/make_gguf.py,
+#                   dequantized to bf16 at load
+#   ...+packed      adds --quantization gguf (a GGUF's quantized linears stay packed)
 #   ...+ngram       adds --speculative-config "$NGRAM_CONFIG" (n-gram prompt lookup)
 # Workloads (bench/serve.py): std, prefix, repeat (the output repeats a prompted function).
 #
@@ -36,10 +38,10 @@ PY=${PY:-/work/main/.venv/bin/python}
 WORKLOADS=${WORKLOADS:-"std prefix repeat"}
 PEERS=${PEERS:-"pagedserve llamacpp vllm"}
 CONCURRENCY=${CONCURRENCY:-"1 4 16 32"}
-PAGEDSERVE_VARIANTS=${PAGEDSERVE_VARIANTS:-"bf16 int8 gguf-Q8_0 gguf-Q4_K_M bf16+ngram \
-gguf-Q4_K_M+ngram"}
+PAGEDSERVE_VARIANTS=${PAGEDSERVE_VARIANTS:-"bf16 int8 gguf-Q8_0+packed gguf-Q4_0+packed \
+gguf-Q4_K_M+packed bf16+ngram gguf-Q4_0+packed+ngram"}
 NGRAM_CONFIG=${NGRAM_CONFIG:-'{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4}'}
-LLAMACPP_QUANTS=${LLAMACPP_QUANTS:-"Q8_0 Q4_K_M"}
+LLAMACPP_QUANTS=${LLAMACPP_QUANTS:-"Q8_0 Q4_0 Q4_K_M"}
 REQ_PER_C=${REQ_PER_C:-2}
 MIN_REQUESTS=${MIN_REQUESTS:-8}
 PORT=${PORT:-18950}
@@ -177,6 +179,7 @@ start_pagedserve() {  # $1: variant (see the top); sets WEIGHTS
   for m in ${mods//+/ }; do
     case $m in
       ngram) args+=(--speculative-config "$NGRAM_CONFIG") ;;
+      packed) args+=(--quantization gguf) ;;
       *) echo "unknown pagedserve modifier $m in $1"; return 1 ;;
     esac
   done
