@@ -129,6 +129,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     py, port, threads = sys.executable, str(args.port), str(os.cpu_count() or 1)
     rows = []
+    print(f"greedy agreement, {len(PROMPTS)} prompts x {args.max_tokens} tokens, "
+          f"{args.model_name}")
+    print("| GGUF | pair | whole answer equal | mean common prefix (tokens) "
+          "| mean abs logprob diff |")
+    print("|---|---|---|---|---|", flush=True)
     for qtype in args.types.split(","):
         gguf = MODELS / f"{args.model_name}.{qtype}.gguf"
         if not gguf.exists():
@@ -150,17 +155,12 @@ def main() -> None:
             got[name] = answers(cmd, args.port, prompts, args.max_tokens, log)
             print(f"{qtype} {name}: done", file=sys.stderr, flush=True)
         pairs = (("packed", "llamacpp"), ("dequantized", "llamacpp"), ("packed", "dequantized"))
-        for a, b in pairs:
-            rows.append({"type": qtype, "pair": f"{a} vs {b}", **compare(got[a], got[b])})
-    print(f"greedy agreement, {len(PROMPTS)} prompts x {args.max_tokens} tokens, "
-          f"{args.model_name}")
-    print("| GGUF | pair | whole answer equal | mean common prefix (tokens) "
-          "| mean abs logprob diff |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['type']} | {r['pair']} | {r['equal']}/{r['prompts']} | "
-              f"{r['mean_prefix']:.1f} | {r['mean_abs_logprob_diff']:.3f} |")
-    (args.out / "agreement.json").write_text(json.dumps(rows, indent=1))
+        for a, b in pairs:  # printed as each type finishes: a long run keeps what it measured
+            r = {"type": qtype, "pair": f"{a} vs {b}", **compare(got[a], got[b])}
+            rows.append(r)
+            print(f"| {r['type']} | {r['pair']} | {r['equal']}/{r['prompts']} | "
+                  f"{r['mean_prefix']:.1f} | {r['mean_abs_logprob_diff']:.3f} |", flush=True)
+        (args.out / "agreement.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
