@@ -649,3 +649,15 @@ def compiler(tokenizer):
     c = GrammarCompiler(tokenizer, vocab_size=len(tokenizer))
     yield c
     c.shutdown()
+
+
+def count_fused_calls(fused) -> list:
+    """Appends to the returned list at each fused step the runner takes."""
+    calls, run = [], fused.run
+
+    def spy(*args):
+        calls.append(1)
+        return run(*args)
+
+    fused.run = spy
+    return calls

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import count_fused_calls
 
 from kernels.cpu_ops import load_cpu_ops
 
@@ -77,21 +78,10 @@ def assert_fused_equals_layers(model_dir, weights_per_layer: int, monkeypatch) -
         num_layers = len(llm.engine.runner.model.model.layers)
         assert fused is not None
         assert len(fused.step.stack.layer_weights) == weights_per_layer * num_layers
-        calls = _count_calls(fused)
+        calls = count_fused_calls(fused)
         res = llm.generate(prompts, params, use_tqdm=False)
         outs[name] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in res]
         outs[name + "_calls"] = len(calls)
     assert outs["fused_calls"] > 0 and outs["layers_calls"] == 0
     assert outs["fused"] == outs["layers"]
 
-
-def _count_calls(fused) -> list:
-    """Appends to the returned list at each fused step the runner takes."""
-    calls, run = [], fused.run
-
-    def spy(*args):
-        calls.append(1)
-        return run(*args)
-
-    fused.run = spy
-    return calls

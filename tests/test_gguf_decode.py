@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import count_fused_calls
 
 from engine.layers.gguf_quant import BLOCKS_FILE, GGUF_PACKED_ENV, GGUFWeights
 from kernels.cpu_ops import load_cpu_ops
@@ -86,18 +87,6 @@ def _serve(model_dir, monkeypatch, max_rows: int):
     return LLM(str(model_dir), dtype="bfloat16", max_model_len=256)
 
 
-def _spy(fused) -> list:
-    """Appends to the returned list at each fused step the runner takes."""
-    calls, run = [], fused.run
-
-    def spy(*args):
-        calls.append(1)
-        return run(*args)
-
-    fused.run = spy
-    return calls
-
-
 @pytest.mark.parametrize("num_prompts", [1, 5])
 def test_packed_model_decodes_fused_with_the_bits_of_the_layer_by_layer_path(
     packed_dir, monkeypatch, num_prompts
@@ -122,7 +111,7 @@ def test_packed_model_decodes_fused_with_the_bits_of_the_layer_by_layer_path(
         assert layers[1].mlp.down_proj.kernel_weight is not None  # bf16, AMX-packed
         fused = llm.engine.runner.fused_decode
         assert fused is not None and fused.step.mixed is not None
-        calls[name] = _spy(fused)
+        calls[name] = count_fused_calls(fused)
         res = llm.generate(prompts, params, use_tqdm=False)
         outs[name] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in res]
     # 7 decode steps per prompt at c=1; a batch shares its steps
