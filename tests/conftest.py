@@ -171,22 +171,27 @@ def hf_greedy(
     num_threads = torch.get_num_threads()
     if sum(p.numel() for p in model.parameters()) < 20_000_000:
         torch.set_num_threads(1)  # tiny matmuls: a second thread's barriers cost more than it adds
-    results = []
     try:
-        for ids in prompts:
-            with torch.inference_mode():
-                out = model.generate(
-                    torch.tensor([ids]),
-                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                )
-            results.append(out[0, len(ids) :].tolist())
+        results = [hf_generate(model, ids, max_new_tokens) for ids in prompts]
     finally:
         torch.set_num_threads(num_threads)
     assert all(len(r) == max_new_tokens for r in results) or stop_at_eos
     _HF_GREEDY[key] = [list(r) for r in results]
     return results
+
+
+def hf_generate(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy `generate` on one prompt: the new token ids."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def make_prompts(

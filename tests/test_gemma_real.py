@@ -5,6 +5,7 @@ with the window's blocks returned as it decodes."""
 from __future__ import annotations
 
 import pytest
+from conftest import hf_generate
 
 pytestmark = pytest.mark.slow
 
@@ -36,12 +37,5 @@ def test_gemma3_270m_matches_transformers_past_the_window():
     ).eval()
     model.generation_config.eos_token_id = None
     for prompt, got in zip(prompts, ours):
-        with torch.inference_mode():
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-            )
-        assert got == out[0, len(prompt) :].tolist()
+        assert got == hf_generate(model, prompt, MAX_NEW)
     assert tok.decode(ours[1]).startswith(" the capital of the country of France")
