@@ -36,6 +36,7 @@ import torch
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 NUM_SEQS, PROMPT_LEN, DECODE_LEN = 8, 128, 32
+MAX_POSITIONS = 1024  # tests/test_model_families.py build_family_dir's max_position_embeddings
 _BIG = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=2, initializer_range=0.02)
 # name -> (test family it is built from, config changes): real head shapes, two layers
 REAL_SHAPES = {
@@ -127,7 +128,10 @@ def main() -> None:
         "--families", default=None,
         help="comma-separated test families and " + ", ".join(REAL_SHAPES) + "; default all",
     )
-    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
+    parser.add_argument(
+        "--prompt-len", type=int, default=PROMPT_LEN,
+        help=f"at most {MAX_POSITIONS - DECODE_LEN - 1} (the built models' positions)",
+    )
     parser.add_argument("--no-default", action="store_true", help="skip the default model")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds, best kept")
     parser.add_argument(
@@ -135,6 +139,8 @@ def main() -> None:
         help="cpu: process CPU seconds (with OMP_NUM_THREADS=1: the work, whatever the load)",
     )
     args = parser.parse_args()
+    if not 1 <= args.prompt_len < MAX_POSITIONS - DECODE_LEN:
+        parser.error(f"--prompt-len must be in [1, {MAX_POSITIONS - DECODE_LEN - 1}]")
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     fam = _families_module()
     names = args.families.split(",") if args.families else [*fam.MAIN_FAMILIES, *REAL_SHAPES]
