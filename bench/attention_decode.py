@@ -16,6 +16,18 @@ attention and with a --window sliding window, in float32 and bf16, through the a
 backend (on CPU the C++ kernels) and through the torch oracle (TorchAttentionBackend). Times
 are the best of --repeat runs (a shared machine's other load only ever adds time); --threads
 sets torch's intra-op threads (1 keeps a busy machine's stragglers out of the numbers).
+
+--head-dim-case: Llama-sized attention (32 query heads over 32 or 8 KV heads) at head_dim 64, 96
+(Phi-3-mini) and 128, contexts --contexts, block_size 16, float32 and bf16: decode (--batch
+sequences, one new token each) and prefill (the last 512 tokens of the context, or all of it if
+shorter) through the attention backend, with the kernel each takes (ops.decode_kernel for
+decode; "amx" or "sdpa" for prefill), the best of --repeat times, that time per (query head x
+key x head dim) so that head_dims compare, and the relative error against the torch oracle.
+--clock cpu counts the process's CPU seconds (with OMP_NUM_THREADS=1 or --threads 1: the
+work, whatever else the machine runs).
+
+    python bench/attention_decode.py --head-dim-case [--batch 8] [--contexts 512,2048]
+                                     [--threads 1] [--clock cpu] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from kernels.reference import TorchAttentionBackend, paged_attention, paged_deco
 
 SMOLLM2 = (9, 3, 64)  # num_heads, num_kv_heads, head_dim
 GEMMA3_270M = (4, 1, 256)
+HEAD_DIM_SHAPES = [(32, kv, d) for d in (64, 96, 128) for kv in (32, 8)]  # Llama / Phi-3-mini
 
 
 def make_cache(lens, shape, device, dtype, gen, block_size=16):
@@ -74,17 +87,17 @@ def make_inputs(batch: int, context: int, device: str, dtype: torch.dtype, shape
     return q, k_cache, v_cache, make_meta([1] * batch, lens, table, device)
 
 
-def median_ms(fn, device: str, repeat: int, stat=statistics.median) -> float:
+def median_ms(fn, device: str, repeat: int, stat=statistics.median, clock=time.perf_counter):
     fn()
     times = []
     for _ in range(repeat):
         if device == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         if device == "cuda":
             torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((clock() - t0) * 1e3)
     return stat(times)
 
 
@@ -156,6 +169,65 @@ def time_both(backend, oracle, inputs, window: int, args) -> tuple[float, float,
     return ms, median_ms(lambda: run(oracle), args.device, args.repeat, min), err
 
 
+def head_dim_case(args) -> None:
+    """Decode and prefill at head_dim 64, 96 and 128: the kernel each takes and its time."""
+    from kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    backend = get_attention_backend("auto", "cpu")
+    oracle = TorchAttentionBackend()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    contexts = [int(c) for c in args.contexts.split(",")]
+    print(
+        f"attention by head_dim, block_size 16, decode batch {args.batch}, "
+        f"{torch.get_num_threads()} threads, {args.clock} clock, best of {args.repeat}, "
+        f"backend {type(backend).__name__}"
+    )
+    print(f"  {'H/Hkv':>6s} {'D':>4s} {'ctx':>5s} {'dtype':9s} {'phase':8s} {'kernel':12s}"
+          f" {'ms':>9s} {'ps/(h.key.d)':>13s}  rel err")
+    for shape in HEAD_DIM_SHAPES:
+        heads, kv_heads, head_dim = shape
+        for ctx in contexts:
+            for dtype in (torch.float32, torch.bfloat16):
+                new = min(512, ctx)
+                phases = {"decode": ([1] * args.batch, [ctx] * args.batch),
+                          "prefill": ([new], [ctx])}
+                for phase, (q_lens, seq_lens) in phases.items():
+                    gen = torch.Generator().manual_seed(2)
+                    k_cache, v_cache, table = make_cache(seq_lens, shape, "cpu", dtype, gen)
+                    meta = make_meta(q_lens, seq_lens, table, "cpu")
+                    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(dtype)
+                    kernel = _kernel_name(ops, backend, phase, q, k_cache, meta)
+
+                    def run(b, inputs=(q, k_cache, v_cache, meta, head_dim**-0.5)):
+                        return b.forward(*inputs)
+
+                    want = run(oracle).float()
+                    err = ((run(backend).float() - want).norm() / want.norm()).item()
+                    ms = median_ms(lambda: run(backend), "cpu", args.repeat, min, clock)
+                    # keys each query reads: the causal prefill's queries see ctx - new + j + 1
+                    keys = sum(q_lens) * ctx if phase == "decode" else new * (ctx - new / 2)
+                    ps = ms * 1e9 / (keys * heads * head_dim)
+                    name = str(dtype).removeprefix("torch.")
+                    print(f"  {heads:>3d}/{kv_heads:<2d} {head_dim:4d} {ctx:5d} {name:9s}"
+                          f" {phase:8s} {kernel:12s} {ms:9.3f} {ps:13.2f}  {err:.1e}", flush=True)
+
+
+def _kernel_name(ops, backend, phase: str, q, k_cache, meta) -> str:
+    """The kernel a phase takes: decode_kernel's answer (inferred on a build without it)."""
+    if phase == "prefill":
+        return "amx" if backend._prefill_kernel_applies(q, k_cache, meta) else "sdpa"
+    try:
+        return ops.decode_kernel(q, k_cache)
+    except (AttributeError, RuntimeError):  # a build from before decode_kernel: its rules
+        d, bf16 = q.shape[2], q.dtype == torch.bfloat16
+        if bf16 and d % 64 == 0 and k_cache.shape[1] % 16 == 0 and ops.amx_available():
+            return "amx"
+        if d in (64, 128, 256):
+            return "avx512_seq" if q.shape[0] >= 2 * torch.get_num_threads() else "avx512_head"
+        return "portable"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=None, help="32; 8 with --window-case")
@@ -165,10 +237,16 @@ def main() -> None:
     ap.add_argument("--window-case", action="store_true", help="Gemma 3 270M, window vs full")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--head-dim-case", action="store_true", help="head_dim 64, 96, 128")
+    ap.add_argument("--contexts", default="512,2048", help="with --head-dim-case")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.window_case:
+    if args.head_dim_case:
+        args.batch = args.batch or 8
+        head_dim_case(args)
+    elif args.window_case:
         args.batch, args.context = args.batch or 8, args.context or 4096
         window_case(args)
     else:

@@ -30,8 +30,12 @@ CASCADE_MIN_TOKENS = 128
 CASCADE_MIN_SEQS = 8
 # Prefill at head_dim 256 takes the AMX kernel while each query reads at most this many keys (a
 # window no longer, or a context no longer); past it SDPA is faster (bench/attention_decode.py
-# --window-case, "prompt of ctx" at full attention).
+# --window-case, "prompt of ctx" at full attention). The same bound holds for every head_dim
+# above PREFILL_LONG_MAX_HEAD_DIM (160 to 224 too, unmeasured there: kept as at 256).
 PREFILL_D256_MAX_KEYS = 2048
+# head_dims up to this one prefill on the AMX kernel at any context (bench/attention_decode.py
+# --head-dim-case).
+PREFILL_LONG_MAX_HEAD_DIM = 128
 # Decode steps up to this many sequences run every layer in one kernel call (ops.decode_layers);
 # the AMX linears take every decode-sized call up to here (kernels/cpu_linear.py AMX_MAX_ROWS).
 FUSED_DECODE_MAX_ROWS = 32
@@ -81,8 +85,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self, query, k_cache, meta: AttentionMetadata, window: int = 0, softcap: float = 0.0
     ) -> bool:
         """bf16 on CPU, query rows [T, H, D] with heads contiguous, shapes the kernel covers
-        (window and softcap are the kernel's too); head_dim 256 up to PREFILL_D256_MAX_KEYS."""
-        if query.shape[2] == 256 and not 0 < window <= PREFILL_D256_MAX_KEYS:
+        (window and softcap are the kernel's too); a head_dim above PREFILL_LONG_MAX_HEAD_DIM up
+        to PREFILL_D256_MAX_KEYS."""
+        if query.shape[2] > PREFILL_LONG_MAX_HEAD_DIM and not 0 < window <= PREFILL_D256_MAX_KEYS:
             if meta.max_seq_len > PREFILL_D256_MAX_KEYS:
                 return False
         if query.device.type != "cpu" or query.dtype != torch.bfloat16:

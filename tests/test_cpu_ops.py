@@ -321,9 +321,17 @@ DECODE_CASES = [
     ("per-head", 8, 10, 2, 64, [41, 8, 19]),  # GQA 5: four query heads, then one
     ("per-seq", 16, 4, 1, 256, [300, 7, 16, 33]),  # Gemma's head_dim 256 in registers
     ("per-head", 16, 8, 2, 256, [65, 17]),  # head_dim 256, one query head at a time
+    ("per-seq", 16, 8, 2, 96, [1, 16, 17, 40, 64, 5]),  # Phi-3's head_dim 96, GQA 4
+    ("per-seq", 16, 6, 6, 96, [300, 7, 16, 33]),  # Phi-3-mini is MHA
+    ("per-head", 16, 8, 2, 96, [33, 100]),
+    ("per-head", 8, 9, 3, 80, [24, 13]),  # head_dim 80 and 112: multiples of 16 in registers
+    ("per-seq", 8, 4, 4, 80, [9, 64, 3, 1]),
+    ("per-seq", 16, 8, 4, 112, [17, 1, 50, 31]),
+    ("per-head", 16, 10, 2, 160, [41, 8, 19]),  # two query heads at a time: four, then one
+    ("per-seq", 16, 4, 2, 224, [70, 3, 16, 9]),
     ("scalar", 16, 8, 2, 32, [1, 16, 17, 40, 5]),
-    ("scalar", 8, 9, 3, 80, [24, 13]),
-    ("scalar", 8, 4, 4, 80, [9, 64, 3, 1]),
+    ("scalar", 8, 9, 3, 48, [24, 13]),
+    ("scalar", 8, 4, 4, 272, [9, 64, 3, 1]),  # past 256: the portable loop
 ]
 
 
@@ -342,11 +350,21 @@ def amx_decode(ops, enabled: bool):
         ops.set_amx_decode(previous)
 
 
+# a case's path -> the kernel ops.decode_kernel names for it
+KERNEL_OF_PATH = {
+    "per-seq": "avx512_seq", "per-head": "avx512_head", "scalar": "portable",
+    "amx-per-seq": "amx", "amx-per-head": "amx",
+}
+
+
 def _run_decode(ops, case, dtype, seed=0, amx=False):
     path, block_size, heads, kv_heads, head_dim, seq_lens = case
     batch = len(seq_lens)
-    if not path.startswith("amx"):
-        expect_per_seq = head_dim in (64, 128, 256) and batch >= 2 * THREADS
+    want_kernel = "portable" if dtype == torch.float16 else KERNEL_OF_PATH[path]
+    if path.startswith("amx"):
+        want_kernel = want_kernel if amx else None  # None: the AVX-512 run it is compared to
+    else:
+        expect_per_seq = 64 <= head_dim <= 256 and head_dim % 16 == 0 and batch >= 2 * THREADS
         expect_per_seq = expect_per_seq and dtype != torch.float16
         assert (path == "per-seq") == expect_per_seq, "case list out of step with the dispatch"
     gen = torch.Generator().manual_seed(seed)
@@ -361,6 +379,8 @@ def _run_decode(ops, case, dtype, seed=0, amx=False):
 
     with num_threads(THREADS), amx_decode(ops, amx):
         ops.paged_attention_decode(out, query, k_cache, v_cache, block_table, seq_lens_t, scale)
+        kernel = ops.decode_kernel(query, k_cache)
+    assert want_kernel is None or kernel == want_kernel, (case, kernel)
 
     f32 = [t.float() for t in (query, k_cache, v_cache)]
     want = paged_attention(*f32, decode_meta(block_table, seq_lens), scale)  # per sequence
@@ -388,9 +408,18 @@ def test_paged_decode_bfloat16(ops, case):
     torch.testing.assert_close(out.float(), want, rtol=ULP[torch.bfloat16], atol=1e-3)
 
 
-# AMX applies to bf16 with block_size % 16 == 0, head_dim % 64 == 0 and <= 16 query heads per KV
-# head; one task per sequence when batch >= 2 * threads, else one per (sequence, KV head).
+# AMX applies to bf16 with block_size % 16 == 0, head_dim % 32 == 0 from 64 on and <= 16 query
+# heads per KV head; one task per sequence when batch >= 2 * threads, else one per (sequence,
+# KV head). head_dim 64k + 32 runs P x V in 64-dim passes and a last one of 96.
+# The mean-error bound below holds for batches whose contexts are mostly tens of keys or more
+# (a few-key context keeps more of P's bf16 rounding, at every head_dim).
 AMX_DECODE_CASES = [
+    ("amx-per-seq", 16, 8, 2, 96, [1, 16, 17, 40, 64, 5]),  # Phi-3's head_dim 96, GQA 4
+    ("amx-per-seq", 16, 6, 6, 96, [677, 31, 2, 130]),  # MHA as Phi-3-mini, a long context
+    ("amx-per-head", 16, 16, 1, 96, [49, 130]),  # 16 query heads on one KV head
+    ("amx-per-seq", 32, 10, 2, 160, [33, 95, 64, 1]),  # GQA 5, a 64-dim pass then a 96-dim one
+    ("amx-per-head", 16, 6, 2, 224, [40, 17]),  # GQA 3, 64 + 64 + 96 dims
+    ("amx-per-seq", 16, 4, 2, 192, [70, 33, 160, 90]),
     ("amx-per-seq", 16, 8, 2, 64, [1, 16, 17, 40, 64, 5]),  # GQA 4, lengths on/off boundaries
     ("amx-per-seq", 16, 9, 3, 64, [677, 31, 2, 130]),  # SmolLM2's shapes, a long context
     ("amx-per-seq", 32, 10, 2, 128, [33, 95, 64, 1]),  # GQA 5 (4 + 1 heads), two 64-dim passes
@@ -415,7 +444,7 @@ def test_paged_decode_bfloat16_amx(ops, case):
     assert not torch.equal(out, avx), "AMX switched on but the output is the AVX-512 path's"
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_paged_decode_float16_takes_the_portable_path(ops, head_dim):
     case = ("scalar", 16, 8, 2, head_dim, [1, 16, 17, 40, 5])
     out, want, _ = _run_decode(ops, case, torch.float16, seed=2)
@@ -789,6 +818,11 @@ PREFILL_CASES = [
     (32, 10, 2, 128, [(31, 31), (64, 95), (2, 2)]),  # GQA 5, head_dim 128, block 32
     (16, 4, 4, 64, [(19, 19), (3, 70)]),  # MHA
     (16, 16, 1, 128, [(48, 300), (7, 7)]),  # MQA, 16 query heads per KV head
+    (16, 8, 2, 96, [(128, 640), (5, 5), (17, 17), (33, 48)]),  # Phi-3's head_dim 96, GQA 4
+    (16, 6, 6, 96, [(100, 100), (3, 70), (1, 1)]),  # MHA as Phi-3-mini
+    (32, 10, 2, 160, [(31, 31), (64, 95), (2, 2)]),  # an odd number of 32-dim chunks (5)
+    (16, 6, 3, 192, [(40, 100), (1, 9)]),
+    (16, 4, 1, 224, [(20, 50), (16, 16)]),  # 7 chunks
 ]
 
 
@@ -889,6 +923,37 @@ def test_torch_backend_routes_bf16_prefill_through_the_kernel(ops):
         torch.testing.assert_close(got.float(), want.float(), rtol=ULP[torch.bfloat16], atol=8e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_torch_backend_takes_the_fast_kernels_at_phi3_head_dim_96(ops, dtype):
+    """Phi-3-mini's head shape (MHA, head_dim 96): in bf16 with AMX the decode rows run the AMX
+    decode kernel and the prefills the AMX prefill kernel, as Llama's head_dim 64 and 128 do;
+    in float32 (or without AMX) the decode rows run the AVX-512 register kernels, never the
+    portable loop. The result matches the kernel-free backend."""
+    kv_lens = [30, 20, 5, 60, 17]
+    gen = torch.Generator().manual_seed(12)
+    k_cache, v_cache, block_table = make_paged(16, 6, 96, kv_lens, dtype, gen)
+    k_cache, v_cache = k_cache.nan_to_num(0), v_cache.nan_to_num(0)
+    q_lens = [1, 20, 1, 37, 1]
+    meta = varlen_meta(q_lens, kv_lens, block_table)
+    query = torch.randn(sum(q_lens), 6, 96, generator=gen).to(dtype)
+    calls = []
+    backend = CpuAttentionBackend(_spy(ops, calls))
+    with num_threads(THREADS):
+        got = backend.forward(query, k_cache, v_cache, meta, 96**-0.5)
+        decode_rows = query[[0, 21, 59]]
+        kernel = ops.decode_kernel(decode_rows, k_cache)
+        batch_kernel = ops.decode_kernel(query[:8], k_cache)  # 8 sequences: one task each
+    want = TorchAttentionBackend().forward(query, k_cache, v_cache, meta, 96**-0.5)
+    amx = dtype == torch.bfloat16 and _amx_available()
+    assert calls.count("paged_attention_decode") == 1
+    assert calls.count("paged_attention_prefill") == int(amx)
+    assert backend.prefill_shapes_supported(96, 16) == _amx_available()
+    assert kernel == ("amx" if amx else "avx512_head"), kernel
+    assert batch_kernel == ("amx" if amx else "avx512_seq"), batch_kernel
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=8e-3)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
 # ---- cascade decode: a shared prefix read once for all sequences (AMX) -------------------------
 # (block_size, num_heads, num_kv_heads, head_dim, prefix_len, suffix lengths): B x G queries per KV
 # head in 16s with a tail, suffixes on and off block boundaries, a prefix ending inside a block.
@@ -898,6 +963,9 @@ CASCADE_CASES = [
     (32, 10, 2, 128, 96, [33, 1, 64, 95, 2, 40, 31, 7, 32]),  # GQA 5, head_dim 128, block 32
     (16, 4, 4, 64, 40, [1] * 17),  # MHA, a 40-token prefix (2.5 blocks), one-token suffixes
     (16, 4, 1, 256, 64, [3, 16, 17, 40, 9]),  # Gemma 3's head_dim 256 on one KV head
+    (16, 8, 2, 96, 128, [3, 16, 17, 40, 9, 1, 33, 64]),  # Phi-3's head_dim 96, GQA 4
+    (16, 4, 4, 96, 40, [1] * 17),  # MHA as Phi-3-mini
+    (16, 10, 2, 160, 80, [5, 20, 31]),  # 5 chunks of 32 dims, GQA 5
 ]
 
 
@@ -984,15 +1052,17 @@ def test_paged_attention_cascade_refuses_bad_arguments(ops):
 
 
 @needs_amx
-def test_torch_backend_routes_shared_prefix_decodes_through_the_cascade(ops):
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_torch_backend_routes_shared_prefix_decodes_through_the_cascade(ops, head_dim):
     """Decoding sequences with decode_shared_blocks set go to the cascade kernel (alone, or
     beside prefills in a mixed batch) once there are CASCADE_MIN_SEQS of them sharing at least
-    CASCADE_MIN_TOKENS; the result matches the kernel-free backend within bf16 rounding."""
+    CASCADE_MIN_TOKENS; the result matches the kernel-free backend within bf16 rounding.
+    head_dim 96 (Phi-3) takes the same kernels as 64."""
     import kernels.cpu_backend as cpu_backend
 
     n_seq, bs = cpu_backend.CASCADE_MIN_SEQS, 16
     shared = cpu_backend.CASCADE_MIN_TOKENS // bs
-    case = (bs, 9, 3, 64, shared * bs, [3 + 5 * i for i in range(n_seq + 1)])
+    case = (bs, 9, 3, head_dim, shared * bs, [3 + 5 * i for i in range(n_seq + 1)])
     k_cache, v_cache, prefix, suffix_table, _ = make_cascade(case, torch.Generator().manual_seed(8))
     k_cache, v_cache = k_cache.nan_to_num(0), v_cache.nan_to_num(0)
     table = torch.cat([prefix.expand(n_seq + 1, -1), suffix_table], dim=1)
@@ -1010,10 +1080,11 @@ def test_torch_backend_routes_shared_prefix_decodes_through_the_cascade(ops):
     for q_lens, shared_blocks, expected in runs:
         meta = varlen_meta(q_lens, kv_lens, table)
         meta.decode_shared_blocks = shared_blocks
-        query = torch.randn(sum(q_lens), 9, 64, generator=gen).bfloat16()
+        query = torch.randn(sum(q_lens), 9, head_dim, generator=gen).bfloat16()
         calls.clear()
-        got = backend.forward(query, k_cache, v_cache, meta, 0.125)
-        want = TorchAttentionBackend().forward(query, k_cache, v_cache, meta, 0.125)
+        scale = head_dim**-0.5
+        got = backend.forward(query, k_cache, v_cache, meta, scale)
+        want = TorchAttentionBackend().forward(query, k_cache, v_cache, meta, scale)
         assert [c for c in calls if c.startswith("paged_attention")] == expected
         torch.testing.assert_close(got.float(), want.float(), rtol=ULP[torch.bfloat16], atol=8e-3)
 
@@ -1247,7 +1318,10 @@ DECODE_WINDOW_CASES = [
     (16, 8, 2, 64, [40, 8, 16, 17, 100, 33], 8, 30.0),  # W on and off block boundaries
     (16, 8, 2, 128, [70, 33, 1], 16, 0.0),  # W = block size
     (8, 9, 3, 128, [29, 64, 12, 7, 90], 13, 20.0),  # blocks of 8: no AMX
-    (16, 6, 2, 80, [50, 20, 3], 21, 10.0),  # head_dim 80: the portable loop
+    (16, 6, 2, 80, [50, 20, 3], 21, 10.0),  # head_dim 80: registers, one KV head per task
+    (16, 6, 2, 48, [50, 20, 3], 21, 10.0),  # head_dim 48: the portable loop
+    (16, 8, 2, 96, [40, 8, 16, 17, 100, 33], 8, 30.0),  # Phi-3's head_dim 96
+    (16, 4, 4, 96, [700, 37], 512, 0.0),
     (16, 4, 4, 64, [50, 20, 3, 9], 0, 30.0),  # softcap alone
     (16, 4, 2, 64, [1, 2, 33], 1, 0.0),  # W = 1: the query's own key only
 ]
@@ -1298,6 +1372,7 @@ PREFILL_WINDOW_CASES = [
     (16, 9, 3, 64, [17, 48], [17, 300], 0, 30.0),  # softcap alone
     (16, 4, 4, 64, [20, 5], [20, 47], 1, 0.0),  # W = 1
     (16, 4, 1, 256, [70, 1], [333, 90], 45, 50.0),  # W mid-block, head_dim 256
+    (16, 8, 2, 96, [20, 9, 33, 1], [70, 60, 33, 5], 16, 30.0),  # head_dim 96, window and cap
 ]
 
 

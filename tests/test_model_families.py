@@ -14,13 +14,20 @@ from engine import LLM, SamplingParams
 from engine.models import SUPPORTED_ARCHITECTURES
 
 MAX_NEW = 12
-LONGROPE_DIM = 8  # head_dim 16 -> 8 frequencies
-_LONGROPE = {
-    "rope_type": "longrope",
-    "short_factor": [1.0 + 0.1 * i for i in range(LONGROPE_DIM)],
-    "long_factor": [2.0 + 0.2 * i for i in range(LONGROPE_DIM)],
-    "original_max_position_embeddings": 512,
-}
+
+
+def longrope(head_dim: int) -> dict:
+    """Phi-3's longrope scaling with one factor per rotary frequency (head_dim / 2 of them)."""
+    n = head_dim // 2
+    return {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(n)],
+        "long_factor": [2.0 + 0.2 * i for i in range(n)],
+        "original_max_position_embeddings": 512,
+    }
+
+
+_PHI3 = {"pad_token_id": 0, "original_max_position_embeddings": 512}
 _LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -36,10 +43,13 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     # Phi3Config's own original_max_position_embeddings (4096) overrides the rope dict's: set
     # both, so max_position_embeddings / 512 = 2 scales cos and sin as longrope does
-    "phi3": (
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**_PHI3, "rope_scaling": longrope(16)}),
+    # Phi-3-mini's head shape (MHA, head_dim 96 = hidden / heads) on 4 heads: the CPU attention
+    # kernels' head_dim 96 paths
+    "phi3-d96": (
         "Phi3Config",
         "Phi3ForCausalLM",
-        {"pad_token_id": 0, "rope_scaling": _LONGROPE, "original_max_position_embeddings": 512},
+        {**_PHI3, "rope_scaling": longrope(96), "hidden_size": 384, "num_key_value_heads": 4},
     ),
     "qwen3-moe": (
         "Qwen3MoeConfig",
@@ -63,7 +73,9 @@ FAMILIES.update(
 MAIN_FAMILIES = [f for f in FAMILIES if f not in ROPE_VARIANTS]
 
 
-def build_family_dir(path, family: str, seed: int = 0):
+def build_family_dir(path, family: str, seed: int = 0, **changes):
+    """A tiny random-weight model of `family` saved as a Hugging Face folder; `changes` override
+    its config further (bench/model_families.py builds real-sized heads this way)."""
     import torch
     import transformers
 
@@ -77,6 +89,7 @@ def build_family_dir(path, family: str, seed: int = 0):
         pad_token_id=tokenizer.pad_token_id,
     )
     cfg.update(overrides)
+    cfg.update(changes)
     torch.manual_seed(seed)
     config = getattr(transformers, cfg_name)(**cfg)
     model = getattr(transformers, model_name)(config).float().eval()
@@ -223,6 +236,41 @@ def test_bf16_decodes_on_the_cpu_fast_path(family, prompts):
     fused.run = counting_run
     _tokens(llm, prompts[:3])  # one prefill step, then MAX_NEW - 1 decode-only steps
     assert taken["n"] == MAX_NEW - 1, name
+
+
+def test_phi3_head_dim_96_attention_runs_the_amx_kernels(tmp_path_factory, prompts):
+    """Phi-3's head_dim 96 in bf16: every prefill layer calls the AMX prefill kernel, the decode
+    attention inside the fused step is the AMX decode kernel (ops.decode_kernel on the model's
+    own cache), as for Llama's head_dim 64 and 128; tokens stay complete."""
+    import torch
+
+    from kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    if ops is None or not ops.amx_available():
+        pytest.skip("the CPU fast path needs the C++ kernels with AMX")
+    path = build_family_dir(tmp_path_factory.mktemp("phi3-d96-bf16"), "phi3-d96")
+    llm = LLM(str(path), dtype="bfloat16")
+    runner = llm.engine.runner
+    assert runner.head_dim == 96
+    backend = runner.backend
+    calls: list[str] = []
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(ops, name)
+            return lambda *args: (calls.append(name), fn(*args))[1]
+
+    backend.ops = Spy()
+    got = _tokens(llm, prompts[:3])
+    assert all(len(g) == MAX_NEW for g in got)
+    layers = runner.num_layers
+    assert calls.count("paged_attention_prefill") == layers  # one prefill step, one call a layer
+    k_cache = runner.kv_caches[0][0]
+    for batch in (1, 3, 8):  # per KV head and per sequence
+        q = torch.empty(batch, 4, 96, dtype=torch.bfloat16)
+        assert ops.decode_kernel(q, k_cache) == "amx", batch
+    assert runner.fused_decode is not None
 
 
 # ---- start-up refusals -----------------------------------------------------------------------

@@ -1,16 +1,18 @@
 // paged_attention_decode: one query token per sequence over its paged K/V, GQA-aware, with an
 // optional sliding window (keys [start, len), start = window_start(len - 1, window): the blocks
 // before start's are never read) and logit soft-capping (scores = cap * tanh(scores / cap)).
-// Three bodies, picked per call (decode_batch):
-//   AMX (bf16, head_dim % 64 == 0, block_size % 16 == 0): decode_heads_amx, also the cascade's
-//     suffix pass (decode.h);
-//   AVX-512 with head_dim 64, 128 or 256 in registers: decode_seq_vec (all heads of a sequence
-//     per task) or decode_one_vec (one KV head per task);
-//   portable: decode_one.
+// Three bodies, picked per call (decode_path, reported by decode_kernel):
+//   AMX (bf16, head_dim a multiple of 32 from 64 on, block_size % 16 == 0): decode_heads_amx,
+//     also the cascade's suffix pass (decode.h);
+//   AVX-512 with head_dim a multiple of 16 in [64, 256] in registers: decode_seq_vec (all heads
+//     of a sequence per task) or decode_one_vec (one KV head per task);
+//   portable: decode_one (every other head_dim, float16).
 #include "decode.h"
 
 #include "common.h"
 #include "ops.h"
+
+#include <array>
 
 namespace pagedserve_cpu {
 namespace {
@@ -105,7 +107,8 @@ inline void softmax_inplace(float* s, int64_t n) {
 
 // decode_one with head_dim = 16 * NC held in registers: per key one multiply-add chain and
 // one horizontal sum per query head; per value one multiply-add per head and chunk. HG query
-// heads at a time: four for head_dim 64/128, one for 256 (its q alone fills half the registers).
+// heads at a time: four up to head_dim 128, two below 256, one at 256 (its q alone fills half
+// the registers). HG changes no result bit: each head's sums run in the same order.
 template <typename T, int NC>
 void decode_one_vec(
     T* out, int64_t out_head_stride, const T* q, int64_t q_head_stride, const T* k_cache,
@@ -113,7 +116,7 @@ void decode_one_vec(
     int64_t kv_heads, int64_t kv_head, int64_t group, float scale, float cap,
     std::vector<float>& buf) {
   constexpr int64_t d = 16 * NC;
-  constexpr int64_t HG = NC >= 16 ? 1 : 4;
+  constexpr int64_t HG = NC >= 16 ? 1 : NC > 8 ? 2 : 4;
   const int64_t n = len - start;
   buf.resize(group * n + 16);
   float* scores = buf.data();  // [G, n]
@@ -228,56 +231,59 @@ void decode_seq_vec(
 #endif
 
 #ifdef PAGEDSERVE_AMX
-// ---- decode attention on AMX (bf16, head_dim % 64 == 0, block_size % 16 == 0) ------------
+// ---- decode attention on AMX (bf16, head_dim % 32 == 0 from 64, block_size % 16 == 0) -----
 // Per (sequence, KV head), with G = query heads per KV head:
 //   scores^T [16 tokens, G] = K rows (an A tile read straight from the cache, row stride =
 //     the token stride) x q^T (a B tile: row r holds q[g][2r], q[g][2r+1] for each g);
 //   softmax over tokens in float32, probabilities rounded to bf16 (as flash attention does);
-//   out [G, 64 dims] += P [G, len] x V in AVX-512 float32 FMAs (pv_f32), the value rows read
-//     straight from the cache. On this CPU float32 FMAs beat bf16 dot products for P x V
-//     (bench/README.md, "Decode attention: P x V in float32 FMAs").
+//   out [G, 64 dims] += P [G, len] x V in AVX-512 float32 FMAs (pv_f32; 96 dims in the last
+//     pass of a head_dim 64k + 32), the value rows read straight from the cache. On this CPU
+//     float32 FMAs beat bf16 dot products for P x V (bench/README.md, "Decode attention: P x V
+//     in float32 FMAs").
 // Tile registers (amx_configure_decode): 0 K tile, 1 q^T, 2 scores.
 
-// out[g, d0:d0+64] for NG query heads of one KV head: P [NG, len] x V in float32 FMAs, the
-// 4 x NG accumulators in registers. Each value row's 32-bit words hold dims (2j, 2j+1): a
-// shift and a mask widen them to float32 (even and odd dims in separate registers, put back in
-// order at the end). `rows_at(t0)` gives the 16 rows from token t0 (they lie in one block).
+// out[g, d0:d0+32*DC] (DC = 2: 64 dims; 3: 96, the last pass of a head_dim 64k + 32) for NG
+// query heads of one KV head: P [NG, len] x V in float32 FMAs, the 2 * DC x NG accumulators in
+// registers. Each value row's 32-bit words hold dims (2j, 2j+1): a shift and a mask widen them
+// to float32 (even and odd dims in separate registers, put back in order at the end).
+// `rows_at(t0)` gives the 16 rows from token t0 (they lie in one block).
 // V streams from memory here, prefetched a tile ahead; pulled into L2 during the K pass
 // instead, it queued behind K (bench/README.md, "Decode attention: V streams during P x V").
 // Out of line, so the accumulators get registers of their own.
-template <int NG, typename O, typename RowsAt>
+template <int NG, int DC, typename O, typename RowsAt>
 __attribute__((noinline)) void pv_f32(
     O* out, int64_t out_head_stride, const float* probs, int64_t len_pad, const float* inv_sum,
     RowsAt rows_at, int64_t len, int64_t token_stride) {
-  __m512 acc[NG][4];  // [g]: even dims 0-30, odd dims 1-31, even 32-62, odd 33-63
+  constexpr int NV = 2 * DC;
+  __m512 acc[NG][NV];  // [g]: even dims 0-30, odd dims 1-31, even 32-62, odd 33-63, ...
 #pragma GCC unroll 4
   for (int g = 0; g < NG; ++g)
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+#pragma GCC unroll 6
+    for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
   const __m512i odd_mask = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const c10::BFloat16* rows = rows_at(t0);
-    if (t0 + 16 < len) {  // the next 16 rows' 64 dims (two lines each) on their way from memory
+    if (t0 + 16 < len) {  // the next 16 rows' dims (one line per 32) on their way from memory
       const char* next = reinterpret_cast<const char*>(rows_at(t0 + 16));
-      for (int64_t r = 0; r < 16; ++r, next += token_stride * 2) {
-        _mm_prefetch(next, _MM_HINT_T0);
-        _mm_prefetch(next + 64, _MM_HINT_T0);
-      }
+      for (int64_t r = 0; r < 16; ++r, next += token_stride * 2)
+#pragma GCC unroll 3
+        for (int c = 0; c < DC; ++c) _mm_prefetch(next + 64 * c, _MM_HINT_T0);
     }
     const int64_t n = std::min<int64_t>(16, len - t0);
     for (int64_t i = 0; i < n; ++i) {
       const c10::BFloat16* row = rows + i * token_stride;
-      const __m512i w0 = _mm512_loadu_si512(row), w1 = _mm512_loadu_si512(row + 32);
-      const __m512 v[4] = {
-          _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)),
-          _mm512_castsi512_ps(_mm512_and_si512(w0, odd_mask)),
-          _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)),
-          _mm512_castsi512_ps(_mm512_and_si512(w1, odd_mask))};
+      __m512 v[NV];
+#pragma GCC unroll 3
+      for (int c = 0; c < DC; ++c) {
+        const __m512i w = _mm512_loadu_si512(row + 32 * c);
+        v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        v[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, odd_mask));
+      }
 #pragma GCC unroll 4
       for (int g = 0; g < NG; ++g) {
         const __m512 p = _mm512_set1_ps(probs[g * len_pad + t0 + i]);
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+#pragma GCC unroll 6
+        for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
       }
     }
   }
@@ -287,7 +293,7 @@ __attribute__((noinline)) void pv_f32(
   for (int g = 0; g < NG; ++g) {
     const __m512 inv = _mm512_set1_ps(inv_sum[g]);
     O* o = out + g * out_head_stride;
-    for (int c = 0; c < 4; c += 2) {
+    for (int c = 0; c < NV; c += 2) {
       store16(o + 16 * c, _mm512_mul_ps(_mm512_permutex2var_ps(acc[g][c], lo, acc[g][c + 1]), inv));
       store16(o + 16 * c + 16,
               _mm512_mul_ps(_mm512_permutex2var_ps(acc[g][c], hi, acc[g][c + 1]), inv));
@@ -295,7 +301,17 @@ __attribute__((noinline)) void pv_f32(
   }
 }
 
-// lse, when given, receives log(sum exp(scaled scores)) per query head (indexed like the heads).
+// pv_f32 for ng (1 to 4) query heads.
+template <int DC, typename O, typename RowsAt>
+PAGEDSERVE_INLINE void pv_dims(
+    int64_t ng, O* out, int64_t out_head_stride, const float* probs, int64_t len_pad,
+    const float* inv_sum, RowsAt rows_at, int64_t len, int64_t token_stride) {
+  auto* run = ng == 1 ? pv_f32<1, DC, O, RowsAt>
+      : ng == 2       ? pv_f32<2, DC, O, RowsAt>
+      : ng == 3       ? pv_f32<3, DC, O, RowsAt>
+                      : pv_f32<4, DC, O, RowsAt>;
+  run(out, out_head_stride, probs, len_pad, inv_sum, rows_at, len, token_stride);
+}
 
 // q^T in B-tile layout: [head][32-dim chunk] tiles whose row r is (q[g][2r], q[g][2r+1])_g.
 PAGEDSERVE_INLINE void pack_q_tiles(
@@ -416,29 +432,56 @@ void decode_heads_amx(
       inv_sum[h * group + g] = 1.0f / sum;
       if (lse) lse[(h0 + h) * group + g] = max_score + std::log(sum);
     }
-  // P x V, 64 output dims and up to 4 query heads at a time.
+  // P x V, 64 output dims (the last 96 where d % 64 == 32) and up to 4 query heads at a time.
   for (int64_t h = 0; h < nh; ++h)
-    for (int64_t d0 = 0; d0 < d; d0 += 64)
+    for (int64_t d0 = 0; d0 < d; d0 += 64) {
+      const bool last96 = d - d0 == 96;
       for (int64_t g0 = 0; g0 < group; g0 += 4) {
         const int64_t ng = std::min<int64_t>(4, group - g0);
         auto rows = [&](int64_t t0) { return rows_at(v_cache, t0) + h * d + d0; };
         O* o = out + ((h0 + h) * group + g0) * out_head_stride + d0;
         const float* p = s.probs.data() + (h * group + g0) * len_pad;
         const float* inv = inv_sum.data() + h * group + g0;
-        switch (ng) {
-          case 1: pv_f32<1>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride); break;
-          case 2: pv_f32<2>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride); break;
-          case 3: pv_f32<3>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride); break;
-          default: pv_f32<4>(o, out_head_stride, p, len_pad, inv, rows, len, token_stride);
+        if (last96) {
+          pv_dims<3>(ng, o, out_head_stride, p, len_pad, inv, rows, len, token_stride);
+        } else {
+          pv_dims<2>(ng, o, out_head_stride, p, len_pad, inv, rows, len, token_stride);
         }
       }
+      if (last96) break;
+    }
 }
 
 // On by default; set_amx_decode(false) routes bf16 to the AVX-512 paths (tests, benchmarks).
 std::atomic<bool> amx_decode_enabled{true};
 #endif
 
-// Picks the register-resident kernel for head_dim 64/128/256 on AVX-512, else the portable one.
+// Whether the register-resident kernels cover head_dim d: 16 * NC for NC in [4, 16].
+constexpr bool vec_dim(int64_t d) { return d % 16 == 0 && d >= 64 && d <= 256; }
+
+#ifdef PAGEDSERVE_AVX512
+// decode_one_vec / decode_seq_vec for head_dim d (vec_dim(d)), one entry per NC = d / 16 - 4.
+template <typename T, int... I>
+constexpr auto one_vec_table(std::integer_sequence<int, I...>) {
+  return std::array{&decode_one_vec<T, I + 4>...};
+}
+template <typename T, int... I>
+constexpr auto seq_vec_table(std::integer_sequence<int, I...>) {
+  return std::array{&decode_seq_vec<T, I + 4>...};
+}
+template <typename T>
+auto one_vec_for(int64_t d) {
+  static constexpr auto table = one_vec_table<T>(std::make_integer_sequence<int, 13>{});
+  return table[d / 16 - 4];
+}
+template <typename T>
+auto seq_vec_for(int64_t d) {
+  static constexpr auto table = seq_vec_table<T>(std::make_integer_sequence<int, 13>{});
+  return table[d / 16 - 4];
+}
+#endif
+
+// Picks the register-resident kernel where vec_dim(d) holds on AVX-512, else the portable one.
 template <typename T>
 void decode_dispatch(
     T* out, int64_t out_head_stride, const T* q, int64_t q_head_stride, const T* k_cache,
@@ -447,12 +490,8 @@ void decode_dispatch(
     std::vector<float>& buf) {
 #ifdef PAGEDSERVE_AVX512
   if constexpr (kVec<T>) {
-    auto run = d == 64 ? decode_one_vec<T, 4>
-        : d == 128     ? decode_one_vec<T, 8>
-        : d == 256     ? decode_one_vec<T, 16>
-                       : nullptr;
-    if (run)
-      return run(
+    if (vec_dim(d))
+      return one_vec_for<T>(d)(
           out, out_head_stride, q, q_head_stride, k_cache, v_cache, blocks, start, len,
           block_size, kv_heads, kv_head, group, scale, cap, buf);
   }
@@ -462,8 +501,25 @@ void decode_dispatch(
       kv_heads, kv_head, group, d, scale, cap, buf);
 }
 
-// Whether decode_seq_vec covers head_dim d.
-constexpr bool seq_vec_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
+enum class DecodePath { kAmx, kSeqVec, kHeadVec, kPortable };
+
+// The body decode_batch runs: AMX where decode_amx_applies (bf16), else on AVX-512 the
+// register kernels (per sequence when the batch fills every thread twice), else portable.
+template <typename T>
+DecodePath decode_path(int64_t d, int64_t block_size, int64_t group, int64_t batch) {
+#ifdef PAGEDSERVE_AMX
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (decode_amx_applies(d, block_size, group)) return DecodePath::kAmx;
+  }
+#endif
+#ifdef PAGEDSERVE_AVX512
+  if constexpr (kVec<T>) {
+    if (vec_dim(d))
+      return batch >= 2 * at::get_num_threads() ? DecodePath::kSeqVec : DecodePath::kHeadVec;
+  }
+#endif
+  return DecodePath::kPortable;
+}
 
 // One task per sequence (all heads) when there are enough sequences to keep every thread
 // busy, else one per (sequence, KV head).
@@ -475,9 +531,10 @@ void decode_batch(
     int64_t group, int64_t d, float scale, int64_t window, float cap) {
   // each sequence's query sits at len - 1; its window starts at window_start(len - 1, window)
   auto start_of = [&](int64_t b) { return window_start(lens[b] - 1, window); };
+  const DecodePath path = decode_path<T>(d, block_size, group, batch);
 #ifdef PAGEDSERVE_AMX
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (decode_amx_applies(d, block_size, group)) {
+    if (path == DecodePath::kAmx) {
       // Per sequence (all its KV heads) when the batch fills every thread, else per KV head.
       const bool per_seq = batch >= 2 * at::get_num_threads();
       const int64_t tasks = per_seq ? batch : batch * kv_heads;
@@ -503,13 +560,11 @@ void decode_batch(
 #endif
 #ifdef PAGEDSERVE_AVX512
   if constexpr (kVec<T>) {
-    if (seq_vec_dim(d) && batch >= 2 * at::get_num_threads()) {
+    if (path == DecodePath::kSeqVec) {
+      const auto run = seq_vec_for<T>(d);
       at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> buf;
         for (int64_t b = begin; b < end; ++b) {
-          auto run = d == 64 ? decode_seq_vec<T, 4>
-              : d == 128     ? decode_seq_vec<T, 8>
-                             : decode_seq_vec<T, 16>;
           run(out + b * out_stride, out_head_stride, q + b * q_stride, q_head_stride, k_cache,
               v_cache, block_table + b * bt_stride, start_of(b), lens[b], block_size, kv_heads,
               group, scale, cap, buf);
@@ -537,7 +592,7 @@ void decode_batch(
 
 #ifdef PAGEDSERVE_AMX
 bool decode_amx_applies(int64_t d, int64_t block_size, int64_t group) {
-  return amx_decode_enabled.load(std::memory_order_relaxed) && d % 64 == 0 &&
+  return amx_decode_enabled.load(std::memory_order_relaxed) && d % 32 == 0 && d >= 64 &&
          block_size % 16 == 0 && group <= 16 && amx_permitted();
 }
 
@@ -587,6 +642,25 @@ void paged_attention_decode(
             block_table.stride(0), lens, batch, block_size, kv_heads, group, d,
             static_cast<float>(scale), window, static_cast<float>(softcap));
       });
+}
+
+// The body paged_attention_decode runs for this query and cache: "amx", "avx512_seq" (all
+// heads of a sequence per task), "avx512_head" (one KV head per task) or "portable".
+std::string decode_kernel(const at::Tensor& query, const at::Tensor& k_cache) {
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query [B, H, D], k_cache [N, bs, Hkv, D]");
+  const int64_t d = query.size(2), block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(kv_heads > 0 && query.size(1) % kv_heads == 0, "head shapes");
+  const int64_t group = query.size(1) / kv_heads;
+  DecodePath path = DecodePath::kPortable;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "decode_kernel",
+                                  [&] { path = decode_path<scalar_t>(d, block_size, group,
+                                                                     query.size(0)); });
+  switch (path) {
+    case DecodePath::kAmx: return "amx";
+    case DecodePath::kSeqVec: return "avx512_seq";
+    case DecodePath::kHeadVec: return "avx512_head";
+    default: return "portable";
+  }
 }
 
 // Whether bf16 decode attention may use AMX; returns the previous setting.

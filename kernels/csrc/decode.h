@@ -25,8 +25,10 @@ inline void amx_configure_decode(int64_t group) {
   load_tile_config(cfg);
 }
 
-// The AMX kernel applies: bf16, head_dim a multiple of 64, whole 16-token tiles per block,
-// at most 16 query heads per KV head, the process may use AMX, and set_amx_decode left it on.
+// The AMX kernel applies: bf16, head_dim a multiple of 32 from 64 on (q.k in 32-dim tile
+// chunks; P x V in passes of 64 dims, the last of 96 where d % 64 == 32), whole 16-token
+// tiles per block, at most 16 query heads per KV head, the process may use AMX, and
+// set_amx_decode left it on.
 bool decode_amx_applies(int64_t d, int64_t block_size, int64_t group);
 
 // KV heads [h0, h1) of one sequence into float32 rows of out (query head j at

@@ -30,6 +30,7 @@ void paged_attention_decode(
     const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
     double scale, int64_t window = 0, double softcap = 0.0);
 bool set_amx_decode(bool enabled);
+std::string decode_kernel(const at::Tensor& query, const at::Tensor& k_cache);
 
 // prefill.cpp
 bool amx_prefill_supported(int64_t head_dim, int64_t block_size);

@@ -1,5 +1,6 @@
 // paged_attention_prefill: sequences with any number of new tokens over their paged K/V,
-// bottom-right causal, on AMX (bf16, head_dim 64, 128 or 256, block_size % 16 == 0).
+// bottom-right causal, on AMX (bf16, head_dim a multiple of 32 in [64, 256], block_size % 16
+// == 0).
 // One task per (sequence, query head, 16 queries); query j of a sequence sits at position
 // kv_len - q_len + j and sees keys 0..that position, or under a window W the last W of them
 // (the blocks before the sequence's first visible key are never read). Soft-capping replaces
@@ -10,12 +11,14 @@
 //   per query (a lane): max over keys, numerators exp(s - max) rounded to bf16, their sum;
 //   out^T [16 dims, 16 queries] += V^T (A tile: 16 dims x 32 keys, from a per-(sequence,
 //     KV head) transposed copy of V built once per call) x P (B tile: keys paired per query).
-// Tile registers (amx_configure_square): 0-1 and 6-7 K, 2-3 q^T, 4-5 scores; then 0 P,
-// 1-3 V^T, 4-7 out^T.
+// Tile registers (amx_configure_square): 0-1 and 6-7 K, 2-3 q^T, 4-5 scores (head_dim 96: 0, 1,
+// 6 K, 2, 3, 5 q^T, 4 scores); then 0 P, 1-3 V^T, 4-7 out^T.
 #include "prefill.h"
 
 #include "common.h"
 #include "ops.h"
+
+#include <array>
 
 namespace pagedserve_cpu {
 
@@ -84,6 +87,28 @@ PAGEDSERVE_INLINE void score_tiles(
     _tile_loadd(2, qt, 64);
     _tile_loadd(3, qt + 512, 64);
   }
+  if constexpr (D == 96) {  // its three q^T tiles stay loaded, as head_dim 64's two do
+    _tile_loadd(2, qt, 64);
+    _tile_loadd(3, qt + 512, 64);
+    _tile_loadd(5, qt + 1024, 64);
+    for (int64_t t0 = 0; t0 < visible; t0 += 16) {
+      const c10::BFloat16* k0 = k_rows(t0);
+      if (t0 + 16 < visible) {  // the next tile's rows, three lines each
+        const char* nx = reinterpret_cast<const char*>(k_rows(t0 + 16));
+        for (int r = 0; r < 16; ++r)
+          for (int l = 0; l < 3; ++l) _mm_prefetch(nx + r * kstride + 64 * l, _MM_HINT_T0);
+      }
+      _tile_zero(4);
+      _tile_loadd(0, k0, kstride);
+      _tile_loadd(1, k0 + 32, kstride);
+      _tile_loadd(6, k0 + 64, kstride);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(4, 1, 3);
+      _tile_dpbf16ps(4, 6, 5);
+      _tile_stored(4, st + t0 * 16, 64);
+    }
+    return;
+  }
   int64_t t0 = 0;
   if constexpr (D == 64) {  // two 16-key chunks per round on separate tiles, so they overlap
     for (; t0 + 16 < visible; t0 += 32) {
@@ -109,7 +134,7 @@ PAGEDSERVE_INLINE void score_tiles(
     const c10::BFloat16* k0 = k_rows(t0);
     if (t0 + 16 < visible) prefetch_k_tile(k_rows(t0 + 16), kstride);
     _tile_zero(4);
-    for (int64_t c = 0; c < KC; c += 2) {
+    for (int64_t c = 0; c + 1 < KC; c += 2) {
       if constexpr (D != 64) {
         _tile_loadd(2, qt + c * 512, 64);
         _tile_loadd(3, qt + (c + 1) * 512, 64);
@@ -118,6 +143,11 @@ PAGEDSERVE_INLINE void score_tiles(
       _tile_loadd(1, k0 + 32 * (c + 1), kstride);
       _tile_dpbf16ps(4, 0, 2);
       _tile_dpbf16ps(4, 1, 3);
+    }
+    if constexpr (KC % 2 == 1) {  // an odd last 32 dims (head_dim 160, 224)
+      _tile_loadd(2, qt + (KC - 1) * 512, 64);
+      _tile_loadd(0, k0 + 32 * (KC - 1), kstride);
+      _tile_dpbf16ps(4, 0, 2);
     }
     _tile_stored(4, st + t0 * 16, 64);
   }
@@ -174,12 +204,28 @@ PAGEDSERVE_INLINE void numerators(
   }
 }
 
-// out^T tiles ot[D / 16] += V^T x P, 32 keys at a time, 64 dims per pass.
+// out^T tiles ot[D / 16] += V^T x P, 32 keys at a time, 64 dims per pass, and one pass of 32
+// where D % 64 == 32 (its last dims).
 template <int D>
 PAGEDSERVE_INLINE void pv_tiles(
     float (*ot)[16 * 16], const c10::BFloat16* pt, const c10::BFloat16* vt, int64_t vt_stride,
     int64_t vis_pad) {
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+  constexpr int64_t D64 = D / 64 * 64;
+  if constexpr (D64 < D) {
+    _tile_zero(4);
+    _tile_zero(5);
+    const c10::BFloat16* v0 = vt + D64 * vt_stride;
+    for (int64_t t = 0; t < vis_pad; t += 32) {
+      _tile_loadd(0, pt + t * 16, 64);
+      _tile_loadd(1, v0 + t, vt_stride * 2);
+      _tile_dpbf16ps(4, 1, 0);
+      _tile_loadd(2, v0 + 16 * vt_stride + t, vt_stride * 2);
+      _tile_dpbf16ps(5, 2, 0);
+    }
+    _tile_stored(4, ot[D64 / 16 + 0], 64);
+    _tile_stored(5, ot[D64 / 16 + 1], 64);
+  }
+  for (int64_t d0 = 0; d0 < D64; d0 += 64) {
     _tile_zero(4);
     _tile_zero(5);
     _tile_zero(6);
@@ -257,12 +303,15 @@ void prefill_block_amx(
   store_rows<D>(out, out_stride, s.ot, nq, valid_q, vmax, vsum, scale, lse);
 }
 
-// prefill_block_amx for head_dim d (64, 128 or 256).
+// prefill_block_amx for head_dim d (prefill_amx_applies: 64, 96, ..., 256).
+template <typename O, int... I>
+constexpr auto prefill_block_table(std::integer_sequence<int, I...>) {
+  return std::array{&prefill_block_amx<64 + 32 * I, O>...};
+}
 template <typename O>
 auto prefill_block_for(int64_t d) {
-  return d == 64 ? prefill_block_amx<64, O>
-      : d == 128 ? prefill_block_amx<128, O>
-                 : prefill_block_amx<256, O>;
+  static constexpr auto table = prefill_block_table<O>(std::make_integer_sequence<int, 7>{});
+  return table[(d - 64) / 32];
 }
 
 // Shapes, dtypes and per-sequence ranges paged_attention_prefill relies on.
@@ -337,7 +386,7 @@ void build_vt(c10::BFloat16* dst, const c10::BFloat16* v_cache, const int32_t* b
 }
 
 bool prefill_amx_applies(int64_t d, int64_t block_size) {
-  return (d == 64 || d == 128 || d == 256) && block_size % 16 == 0 && amx_permitted();
+  return d % 32 == 0 && d >= 64 && d <= 256 && block_size % 16 == 0 && amx_permitted();
 }
 
 void prefill_block_amx_f32(

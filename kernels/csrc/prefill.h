@@ -15,7 +15,8 @@ struct PrefillScratch {
   alignas(64) float ot[16][16 * 16];  // out^T tiles, up to head_dim 256
 };
 
-// head_dim 64, 128 or 256, whole 16-token tiles per block, and the process may use AMX.
+// head_dim a multiple of 32 in [64, 256] (out^T fills at most 16 tiles), whole 16-token
+// tiles per block, and the process may use AMX.
 bool prefill_amx_applies(int64_t d, int64_t block_size);
 
 // V^T of one sequence's KV head: dst[i * pad + t] = v[t][i] for t < len, 0 for len <= t < pad

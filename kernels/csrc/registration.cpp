@@ -11,6 +11,7 @@
 //     paged_attention_decode   one query token per sequence over its paged K/V, GQA-aware,
 //                              with an optional sliding window and logit soft-capping
 //     set_amx_decode           route bf16 decode to AMX or AVX-512; returns the old setting
+//     decode_kernel            which body paged_attention_decode runs for a query and cache
 //   prefill.cpp
 //     amx_prefill_supported    whether paged_attention_prefill covers these shapes
 //     paged_attention_prefill  any number of new tokens per sequence, bottom-right causal,
@@ -55,6 +56,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       &paged_attention_decode);
   m.def("amx_available", &amx_available);
   m.def("set_amx_decode", &set_amx_decode);
+  m.def("decode_kernel", &decode_kernel);
   m.def("amx_prefill_supported", &amx_prefill_supported);
   m.def(
       "paged_attention_prefill(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, "
