@@ -15,7 +15,7 @@ The K types need K % 256 == 0: of these shapes only down (576 x 1536) takes them
 
 --prefill adds the time of a 256-token prompt (one output token) on the default model: bf16
 weights, and Q4_0 and Q8_0 served packed (bench/quantization.py quantized_default) under the
-old dispatch and the new, interleaved in one run (wall clock).
+old dispatch and the new, interleaved in one run (wall clock), a fresh prompt every call.
 """
 
 from __future__ import annotations
@@ -115,7 +115,6 @@ def prefill(rounds: int, prompt_len: int) -> None:
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rng = random.Random(0)
-    prompt = [rng.randrange(100, 40000) for _ in range(prompt_len)]
     os.environ[gguf_quant.GGUF_PACKED_ENV] = "0"
     llms = {"bf16": LLM(None, dtype="bfloat16", max_model_len=1024)}
     os.environ[gguf_quant.GGUF_PACKED_ENV] = "1"  # the re-quantized folders are served packed
@@ -130,6 +129,8 @@ def prefill(rounds: int, prompt_len: int) -> None:
     for _ in range(rounds + 1):  # the first round warms every arm up and is not kept
         for name, key, min_rows in arms:
             gguf_quant.GEMM_MIN_ROWS = new_min if min_rows is None else min_rows
+            # a fresh prompt every call: a repeated one would hit the prefix cache
+            prompt = [rng.randrange(100, 40000) for _ in range(prompt_len)]
             start = time.perf_counter()
             llms[key].generate([prompt], params, use_tqdm=False)
             elapsed = time.perf_counter() - start

@@ -73,10 +73,13 @@ PAGEDSERVE_INLINE void decode_block(const uint8_t* qs, const uint8_t* qh, __m512
 }
 
 // Channel group g as K/32 bf16 B tiles, tile b at dst + b * step: row r holds
-// (W[n][32b + 2r], W[n][32b + 2r + 1]) for n = 0..15. Vector v of a block (bytes 4l + j: channel
-// l, k 4v + j) gives rows 2v and 2v + 1: each 16-byte quarter q widens to 16 floats (channels
-// 4q..4q+3), scaled by its channels' scales; two quarters round to 32 bf16 whose dwords are
-// (channel, k pair), and one permute per row gathers one k pair of all 16 channels.
+// (W[n][32b + 2r], W[n][32b + 2r + 1]) for n = 0..15. Dword lane l of a block's vector v holds
+// channel l's quants at k 4v..4v+3, one per byte: shifting byte j down gives 16 channels at
+// k 4v + j in the lanes the scales are in; two such vectors round to 32 bf16 and one word
+// permute interleaves them into a tile row.
+// The float32 values are the oracle's bits: s * u is exact (s has at most 18 significant bits,
+// u at most 6) and s * zero too (zero is a power of two), so one fma rounds s * (u - zero), or
+// s * u + m, once, as the oracle's s * (u - zero) and (s * u) + m do.
 template <int Bits, bool Mins, int PerBlock>
 void dequantize_tiles(const Packed& w, int64_t g, c10::BFloat16* dst, int64_t step) {
   constexpr int kPerSub = 8 / PerBlock;  // vectors per scale
@@ -84,51 +87,31 @@ void dequantize_tiles(const Packed& w, int64_t g, c10::BFloat16* dst, int64_t st
   const uint8_t* qh_g = w.qh != nullptr ? w.qh + g * w.blocks * w.nh * 64 : nullptr;
   const float* sc_g = w.scales + g * w.subs * kLanes;
   const float* mn_g = Mins ? w.mins + g * w.blocks * kLanes : nullptr;
-  __m512i spread[4];  // lane i of quarter q is channel 4q + i / 4
-  for (int q = 0; q < 4; ++q) {
-    alignas(64) int32_t idx[16];
-    for (int i = 0; i < 16; ++i) idx[i] = 4 * q + i / 4;
-    spread[q] = _mm512_load_si512(idx);
-  }
-  alignas(64) int32_t even[16];
-  for (int n = 0; n < 16; ++n) even[n] = n < 8 ? 2 * n : 16 + 2 * (n - 8);
-  const __m512i pair0 = _mm512_load_si512(even);
-  const __m512i pair1 = _mm512_add_epi32(pair0, _mm512_set1_epi32(1));
-  const __m512i zero = _mm512_set1_epi32(w.zero);
+  alignas(64) int16_t zip[32];  // words i: channel i / 2 of the first (i even) or second vector
+  for (int i = 0; i < 32; ++i) zip[i] = static_cast<int16_t>((i % 2) * 16 + i / 2);
+  const __m512i interleave = _mm512_load_si512(zip);
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  const __m512 neg_zero = _mm512_set1_ps(-static_cast<float>(w.zero));
   for (int64_t b = 0; b < w.blocks; ++b) {
     __m512i wv[8];
     decode_block<Bits>(qs_g + b * w.nq * 64, qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr,
                        wv);
-    __m512 mq[4];
-    if constexpr (Mins) {
-      const __m512 mn = _mm512_loadu_ps(mn_g + b * kLanes);
-      for (int q = 0; q < 4; ++q) mq[q] = _mm512_permutexvar_ps(spread[q], mn);
-    }
     c10::BFloat16* tile = dst + b * step;
     for (int s = 0; s < PerBlock; ++s) {
       const __m512 sc = _mm512_loadu_ps(sc_g + (b * PerBlock + s) * kLanes);
-      __m512 sq[4];
-      for (int q = 0; q < 4; ++q) sq[q] = _mm512_permutexvar_ps(spread[q], sc);
+      const __m512 add = Mins ? _mm512_loadu_ps(mn_g + b * kLanes) : _mm512_mul_ps(sc, neg_zero);
       for (int v = s * kPerSub; v < (s + 1) * kPerSub; ++v) {
-        // the 16 bytes of each quarter, widened (extracti32x4 takes an immediate)
-        const __m512i wide[4] = {
-            _mm512_cvtepu8_epi32(_mm512_castsi512_si128(wv[v])),
-            _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(wv[v], 1)),
-            _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(wv[v], 2)),
-            _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(wv[v], 3))};
+        const __m512i q = wv[v];
+        const __m512i u[4] = {_mm512_and_si512(q, byte),
+                              _mm512_and_si512(_mm512_srli_epi32(q, 8), byte),
+                              _mm512_and_si512(_mm512_srli_epi32(q, 16), byte),
+                              _mm512_srli_epi32(q, 24)};
         __m512 f[4];
-        for (int q = 0; q < 4; ++q) {
-          // the oracle's float32 rounding: s * (u - zero) (exact difference), or s * u, then + m
-          if constexpr (Mins) {
-            f[q] = _mm512_add_ps(_mm512_mul_ps(sq[q], _mm512_cvtepi32_ps(wide[q])), mq[q]);
-          } else {
-            f[q] = _mm512_mul_ps(sq[q], _mm512_cvtepi32_ps(_mm512_sub_epi32(wide[q], zero)));
-          }
-        }
-        const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);  // channels 0-7
-        const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);  // channels 8-15
-        _mm512_storeu_si512(tile + (2 * v) * 32, _mm512_permutex2var_epi32(lo, pair0, hi));
-        _mm512_storeu_si512(tile + (2 * v + 1) * 32, _mm512_permutex2var_epi32(lo, pair1, hi));
+        for (int j = 0; j < 4; ++j) f[j] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(u[j]), add);
+        const __m512i k01 = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);  // k 4v, 4v + 1
+        const __m512i k23 = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);  // k 4v + 2, 4v + 3
+        _mm512_storeu_si512(tile + (2 * v) * 32, _mm512_permutexvar_epi16(interleave, k01));
+        _mm512_storeu_si512(tile + (2 * v + 1) * 32, _mm512_permutexvar_epi16(interleave, k23));
       }
     }
   }
