@@ -1,22 +1,28 @@
-"""GGUF quantized linears served packed (engine/layers/gguf_quant.py, kernels/csrc/gguf_quant.cpp):
-the re-packed layout against gguf-py's dequantization, the kernels (VNNI and portable) against
-dequantize-then-matmul, and tiny GGUF models served packed against the dequantized path."""
+"""GGUF quantized linears served packed (engine/layers/gguf_quant.py, kernels/csrc/gguf_quant.cpp,
+kernels/csrc/gguf_gemm.cpp): the re-packed layout against gguf-py's dequantization, the kernels
+(VNNI, portable, and the many-row AMX gguf_gemm) against dequantize-then-matmul, which rows take
+which kernel, and tiny GGUF models served packed against the dequantized path."""
 
 from __future__ import annotations
 
+import collections
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import kernel_path_fixture, require_vnni
 
+from engine.layers import gguf_quant
 from engine.layers.gguf_quant import (
     BLOCKS_FILE,
+    GEMM_MIN_ROWS,
     GGUF_TYPES,
     VNNI_MAX_ROWS,
     GGUFWeights,
     PackedQuant,
+    gemm_available,
     unpack_blocks,
 )
 
@@ -153,8 +159,8 @@ def test_weights_module_fuses_same_type_parts_and_keeps_mixed_ones_apart(ops):
     np.testing.assert_allclose(native.double().numpy(), want, rtol=1e-4, atol=1e-4)
     fast = GGUFWeights(parts, bias, ops)(x)
     assert (np.abs(fast.double().numpy() - want) <= _error_bound(x, w) + 1e-5).all()
-    many = torch.randn(VNNI_MAX_ROWS + 5, 256)  # the dequantize + matmul path
-    got = GGUFWeights(parts, bias, ops)(many)
+    many = torch.randn(VNNI_MAX_ROWS + 5, 256)  # the dequantize + matmul path: no gguf_gemm
+    got = GGUFWeights(parts, bias, CountingOps(ops, gemm=False))(many)
     np.testing.assert_allclose(
         got.double().numpy(), many.double().numpy() @ w.T + bias.double().numpy(), atol=1e-4
     )
@@ -168,6 +174,123 @@ def test_kernel_refuses_mismatched_shapes(ops):
     with pytest.raises(RuntimeError, match="qh is needed"):
         ops.gguf_linear(torch.empty(1, 16), torch.randn(1, 64), p.qs, p.qs, p.scales, p.mins,
                         p.bits, p.zero, None)
+
+
+# ---- gguf_gemm: many rows, weight tiles dequantized to bf16 on AMX ------------------------------
+class CountingOps:
+    """ops with its calls counted by name; gemm=False hides gguf_gemm (a CPU without AMX)."""
+
+    def __init__(self, ops, gemm: bool = True) -> None:
+        self._ops, self._gemm, self.calls = ops, gemm, collections.Counter()
+
+    def gguf_gemm_available(self) -> bool:
+        return self._gemm and bool(self._ops.gguf_gemm_available())
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._ops, name)
+
+        def counted(*args):
+            self.calls[name] += 1
+            return fn(*args)
+
+        return counted
+
+
+def require_gemm(ops) -> None:
+    """Skips on a CPU without AMX-BF16 (the dispatch test covers its fallback), fails where the
+    CPU has it and gguf_gemm does not run."""
+    if gemm_available(ops):
+        return
+    info = Path("/proc/cpuinfo")
+    flags = set(info.read_text().split()) if info.exists() else set()
+    if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
+        pytest.fail("the CPU has AMX-BF16 but gguf_gemm is not available")
+    pytest.skip("gguf_gemm: this CPU has no AMX-BF16")
+
+
+def _gemm_bounds(x: torch.Tensor, p: PackedQuant, bias, out_dtype) -> tuple:
+    """(reference, bound): dequantize-then-matmul with the kernel's two roundings, W as gguf-py
+    dequantizes it rounded to bf16 (gguf_dequantize's bits) and x rounded to bf16, summed in
+    float64. What may differ is the order of the float32 sums: each of the K additions rounds
+    by at most 2^-24 of the running sum, so K * 2^-24 * sum|x||w| bounds it; a bf16 output is
+    rounded once more (half an ulp: 2^-9 of it, 2^-8 of the reference leaves room)."""
+    w = p.dequantize(torch.bfloat16).double()
+    xb = x.to(torch.bfloat16).double()
+    ref = xb @ w.T
+    if bias is not None:
+        ref = ref + bias.double()
+    bound = x.shape[1] * 2.0**-24 * (xb.abs() @ w.abs().T) + 1e-30
+    if out_dtype == torch.bfloat16:
+        bound = bound + ref.abs() * 2.0**-8
+    return ref, bound
+
+
+GEMM_CASES = [(qtype, m) for qtype in TYPES for m in (16, 33, 97)] + [("Q4_0", 300)]
+
+
+@pytest.mark.parametrize(("qtype", "m"), GEMM_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemm_matches_dequantize_then_matmul(qtype, m, dtype, ops):
+    require_gemm(ops)
+    # N ragged (3 channel groups: a pair, then one alone, the last 13 wide), 5 or 2 K steps of
+    # 256; K = 4096 at 300 rows runs three row passes
+    n = 45
+    k = 4096 if m == 300 else 512 if GGUF_TYPES[qtype].block == 256 else 160
+    p, w_ref = packed(qtype, n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    bias = torch.randn(n).to(dtype) if m % 2 else None  # odd rows: with a bias
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    ops.gguf_gemm(out, x, p.qs, p.qh, p.scales, p.mins, p.bits, p.zero, bias)
+    ref, bound = _gemm_bounds(x, p, bias, dtype)
+    err = (out.double() - ref).abs()
+    assert (err <= bound).all(), (err - bound).max()
+    # and against the float32 oracle (gguf-py's weights, x as given): the bf16 roundings of x
+    # and w cost at most 2^-9 of each, so (2^-8 + 2^-18) of sum|x||w| together
+    want = x.double() @ torch.from_numpy(w_ref).double().T
+    if bias is not None:
+        want = want + bias.double()
+    mag = x.double().abs() @ torch.from_numpy(np.abs(w_ref)).double().T
+    assert ((out.double() - want).abs() <= (2.0**-8 + 2.0**-18) * mag + bound).all()
+
+
+def test_gemm_writes_a_column_slice_of_out(ops):
+    """GGUFWeights hands each part its columns of one output: rows strided by the full width."""
+    require_gemm(ops)
+    p, _ = packed("Q8_0", 20, 128, seed=7)
+    x = torch.randn(40, 128).to(torch.bfloat16)
+    out = torch.zeros(40, 50, dtype=torch.bfloat16)
+    ops.gguf_gemm(out[:, 10:30], x, p.qs, p.qh, p.scales, p.mins, p.bits, p.zero, None)
+    ref, bound = _gemm_bounds(x, p, None, torch.bfloat16)
+    assert ((out[:, 10:30].double() - ref).abs() <= bound).all()
+    assert not out[:, :10].any() and not out[:, 30:].any()
+
+
+def test_gemm_refuses_bad_arguments(ops):
+    require_gemm(ops)
+    p, _ = packed("Q4_0", 16, 64)
+    with pytest.raises(RuntimeError, match="K=32"):
+        ops.gguf_gemm(torch.empty(16, 16), torch.randn(16, 32), p.qs, p.qh, p.scales, p.mins,
+                      p.bits, p.zero, None)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        ops.gguf_gemm(torch.empty(16, 16, dtype=torch.float64),
+                      torch.randn(16, 64, dtype=torch.float64), p.qs, p.qh, p.scales, p.mins,
+                      p.bits, p.zero, None)
+
+
+@pytest.mark.parametrize("gemm", [True, False])
+def test_rows_pick_the_kernel(gemm, ops):
+    """Fewer than GEMM_MIN_ROWS rows: the VNNI kernel; more: gguf_gemm where it runs, else
+    VNNI up to VNNI_MAX_ROWS and dequantize + matmul above."""
+    raw = random_blocks("Q4_0", 40, 256, 1)
+    spy = CountingOps(ops, gemm)
+    weights = GGUFWeights(gguf_quant.pack_parts([("Q4_0", raw)]), None, spy)
+    for rows in (1, GEMM_MIN_ROWS - 1, GEMM_MIN_ROWS, VNNI_MAX_ROWS + 1):
+        weights(torch.randn(rows, 256).to(torch.bfloat16))
+    if gemm:
+        require_gemm(ops)
+        assert spy.calls == {"gguf_linear": 2, "gguf_gemm": 2}
+    else:
+        assert spy.calls == {"gguf_linear": 3, "gguf_dequantize": 1}
 
 
 # ---- a tiny model written as a GGUF, served packed ---------------------------------------------
@@ -267,6 +390,59 @@ def test_tiny_gguf_served_packed_agrees_with_the_dequantized_path(qtype, tiny_gg
     # a few hundredths on average, tenths at most; a kernel 3% off in one term moves the mean
     # past 0.07 and the tokens apart
     assert max(gaps) < 0.6 and np.mean(gaps) < 0.05
+
+
+def _serve_counting(path, monkeypatch, quantization, prompts):
+    """Greedy outputs (the chosen tokens' logprobs) and the kernel calls of the packed linears."""
+    from engine import LLM, SamplingParams
+
+    monkeypatch.delenv("PAGEDSERVE_GGUF_PACKED", raising=False)
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=128, quantization=quantization)
+    spies = []
+    for module in llm.engine.runner.model.modules():
+        if isinstance(module, GGUFWeights):
+            module.ops = CountingOps(module.ops)
+            spies.append(module.ops)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    return outs, sum((spy.calls for spy in spies), collections.Counter())
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_K"])
+def test_tiny_gguf_prefill_through_gemm(qtype, tiny_gguf, cache, monkeypatch, ops):
+    """Six prompts of 20-40 tokens prefill in one step through gguf_gemm (the decode steps and
+    the lm_head's six rows stay on VNNI), against the same file under the old dispatch (VNNI
+    prefill) and dequantized to bf16. The bits change: gguf_gemm computes the dequantized bf16
+    path's prefill math (bf16 x, not int8 per 32), in another summation order."""
+    from conftest import make_prompts
+
+    require_gemm(ops)
+    path = tiny_gguf(qtype)
+    prompts = make_prompts(6, seed=11, min_len=20, max_len=40)
+    new, new_calls = _serve_counting(path, monkeypatch, "gguf", prompts)
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_quant, "GEMM_MIN_ROWS", 1 << 62)
+        old, old_calls = _serve_counting(path, monkeypatch, "gguf", prompts)
+    ref, _ = _serve_counting(path, monkeypatch, None, prompts)
+    assert new_calls["gguf_gemm"] > 0 and old_calls["gguf_gemm"] == 0
+    first = {
+        name: [abs(o.logprobs[0].logprob - r.logprobs[0].logprob)
+               for o, r in zip(outs, ref) if o.token_ids[0] == r.token_ids[0]]
+        for name, outs in (("new", new), ("old", old))
+    }
+    same = {name: sum(o.token_ids == r.token_ids for o, r in zip(outs, ref))
+            for name, outs in (("new", new), ("old", old))}
+    same_old = sum(a.token_ids == b.token_ids for a, b in zip(new, old))
+    print(f"{qtype}: first token as dequantized new {len(first['new'])}/6 old "
+          f"{len(first['old'])}/6, gap max new {max(first['new']):.4f} old "
+          f"{max(first['old']):.4f}; all {MAX_NEW} as dequantized new {same['new']}/6 old "
+          f"{same['old']}/6; new == old on {same_old}/6")
+    # measured: first tokens as dequantized on 6/6 both ways; the first token's logprob gap
+    # (the lm_head's six rows run VNNI in both) max 0.014-0.016 new against 0.030-0.033 old on
+    # Q8_0 and Q4_0, 0.19 both on the random-block Q4_K; all six tokens on 5-6 of 6
+    assert len(first["new"]) == 6
+    assert np.mean(first["new"]) <= np.mean(first["old"]) + 0.01
+    assert same["new"] >= 5
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

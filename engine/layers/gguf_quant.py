@@ -14,13 +14,18 @@ min, float32 mins per 32:
 
 which is gguf-py's dequantization exactly (the same float32 products). On CPU the C++ kernel
 multiplies it without unpacking to memory: activations quantized per 32-block to int8, integer
-dots (AVX-512 VNNI or a portable loop), one float multiply-add per block; calls with more than
-VNNI_MAX_ROWS rows dequantize the weight to x's dtype and run one matmul. Elsewhere (other
-devices, no kernels) forward_native dequantizes and runs F.linear.
+dots (AVX-512 VNNI or a portable loop), one float multiply-add per block. Calls of at least
+GEMM_MIN_ROWS rows (prefill chunks, batched decode) go where the CPU has AMX to gguf_gemm
+(kernels/csrc/gguf_gemm.cpp), which dequantizes 32 channels at a time into an L2-resident bf16
+tile buffer and multiplies it on AMX: the bits of dequantize-then-bf16-matmul, summed in another
+order. Without AMX, calls of more than VNNI_MAX_ROWS rows dequantize the whole weight to x's
+dtype and run one matmul. Elsewhere (other devices, no kernels) forward_native dequantizes and
+runs F.linear.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -35,8 +40,11 @@ logger = logging.getLogger(__name__)
 
 BLOCKS_FILE = "gguf_blocks.bin"  # safetensors format; not *.safetensors, so not read as weights
 LANES, BLOCK = 16, 32
-# Rows up to this run the integer kernel; more dequantize the weight and run one bf16 matmul,
-# which only pays off for long prefill chunks (bench/quantization.py --gguf prints M=1 and 64).
+# Where the CPU has AMX, calls of at least this many rows run gguf_gemm, fewer the integer
+# kernel (bench/gguf_gemm.py measures both against bf16 weights at M = 8..256).
+GEMM_MIN_ROWS = 16
+# Without AMX: rows up to this run the integer kernel; more dequantize the weight and run one
+# matmul, which only pays off for long prefill chunks (bench/quantization.py --gguf).
 VNNI_MAX_ROWS = 256
 GGUF_PACKED_ENV = "PAGEDSERVE_GGUF_PACKED"  # auto (default): --quantization gguf; 1 always; 0 never
 
@@ -219,7 +227,12 @@ class PackedQuant(nn.Module):
 
     def linear(self, x: torch.Tensor, out: torch.Tensor, bias, ops) -> None:
         """out [M, N] = x [M, K] @ W^T (+ bias) on the C++ kernels."""
-        if x.shape[0] > VNNI_MAX_ROWS:
+        rows = x.shape[0]
+        if rows >= GEMM_MIN_ROWS and gemm_available(ops):
+            ops.gguf_gemm(out, x, self.qs, self.qh, self.scales, self.mins, self.bits, self.zero,
+                          bias)
+            return
+        if rows > VNNI_MAX_ROWS:
             w = x.new_empty(self.out_features, self.in_features)
             ops.gguf_dequantize(w, self.qs, self.qh, self.scales, self.mins, self.bits, self.zero)
             out.copy_(F.linear(x, w, bias))
@@ -229,6 +242,12 @@ class PackedQuant(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.qtype}, out={self.out_features}, in={self.in_features}"
+
+
+@functools.cache
+def gemm_available(ops) -> bool:
+    """Whether ops has gguf_gemm and this build and process may run it (AMX-BF16)."""
+    return hasattr(ops, "gguf_gemm_available") and bool(ops.gguf_gemm_available())
 
 
 def _decode(qs: torch.Tensor, qh: torch.Tensor | None, bits: int) -> torch.Tensor:

@@ -79,6 +79,13 @@ void gguf_dequantize(const at::Tensor& out, const at::Tensor& qs,
 std::string gguf_kernel();
 bool set_gguf_portable(bool portable);
 
+// gguf_gemm.cpp
+void gguf_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qs,
+               const std::optional<at::Tensor>& qh, const at::Tensor& scales,
+               const std::optional<at::Tensor>& mins, int64_t bits, int64_t zero,
+               const std::optional<at::Tensor>& bias);
+bool gguf_gemm_available();
+
 // decode_layers.cpp
 at::Tensor decode_layers(
     const at::Tensor& embeds, const at::Tensor& positions, const at::Tensor& cos_sin,

@@ -34,6 +34,9 @@
 //     gguf_linear              out = x @ W^T, W a GGUF quant type re-packed at load
 //     gguf_dequantize          such a W as a float [N, K] (the many-row path)
 //     gguf_kernel / set_gguf_portable   which path runs (VNNI or portable); force portable
+//   gguf_gemm.cpp
+//     gguf_gemm                gguf_linear for many rows: weight tiles dequantized to bf16, AMX
+//     gguf_gemm_available      whether this build and process may run it
 //   decode_layers.cpp
 //     decode_layers            one decode step through every decoder layer
 //     decode_layers_mixed      the same, each linear AMX-packed bf16 or GGUF-packed parts
@@ -78,4 +81,6 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("gguf_dequantize", &gguf_dequantize);
   m.def("gguf_kernel", &gguf_kernel);
   m.def("set_gguf_portable", &set_gguf_portable);
+  m.def("gguf_gemm", &gguf_gemm);
+  m.def("gguf_gemm_available", &gguf_gemm_available);
 }
