@@ -50,11 +50,29 @@ def ids(rng: random.Random, k: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(k)]
 
 
-def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+def timed(llm: LLM, prompts: list[list[int]], max_tokens: int, clock=time.perf_counter) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
+    start = clock()
     llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start
+    return clock() - start
+
+
+def per_output_token(llm: LLM, rng: random.Random, clock=time.perf_counter) -> float:
+    """c=1 seconds per output token: a fresh 256-token prompt (no prefix-cache hits) to 129
+    output tokens, minus the same prompt reversed to 1, over 128."""
+    prompt = ids(rng, 256)
+    one = timed(llm, [prompt], 1, clock)
+    full = timed(llm, [prompt[::-1]], 129, clock)
+    return (full - one) / 128
+
+
+def interleaved(arms: dict[str, LLM], rounds: int):
+    """(round, name, llm) for every arm in every round, the order reversed each other round
+    (the machine drifts)."""
+    for r in range(rounds):
+        order = list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]
+        for name, llm in order:
+            yield r, name, llm
 
 
 def held_bytes(model) -> int:
@@ -83,20 +101,15 @@ def end_to_end(arms: dict[str, LLM], rounds: int) -> None:
     rng = random.Random(0)
     tpot = {name: [] for name in arms}
     prefill = {name: [] for name in arms}
-    for r in range(rounds):
-        order = list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]
-        for name, llm in order:
-            prompt = [ids(rng, 256)]  # fresh tokens: no prefix-cache hits
-            one = timed(llm, prompt, 1)
-            full = timed(llm, [prompt[0][::-1]], 129)
-            tpot[name].append((full - one) / 128)
-            batch = [ids(rng, 256) for _ in range(8)]
-            prefill[name].append(8 * 256 / timed(llm, batch, 1))
-            print(
-                f"round {r} {name}: {1e3 * tpot[name][-1]:.2f} ms/tok, "
-                f"prefill {prefill[name][-1]:.0f} tok/s",
-                flush=True,
-            )
+    for r, name, llm in interleaved(arms, rounds):
+        tpot[name].append(per_output_token(llm, rng))
+        batch = [ids(rng, 256) for _ in range(8)]
+        prefill[name].append(8 * 256 / timed(llm, batch, 1))
+        print(
+            f"round {r} {name}: {1e3 * tpot[name][-1]:.2f} ms/tok, "
+            f"prefill {prefill[name][-1]:.0f} tok/s",
+            flush=True,
+        )
     print(
         f"{'arm':6} {'linear weights MB':>18} {'held MB':>8} {'c=1 ms/tok':>11} "
         f"{'prefill tok/s':>14}"
@@ -212,17 +225,12 @@ def gguf_gemma(rounds: int) -> None:
     rng = random.Random(0)
     tpot = {name: [] for name in arms}
     prefill = {name: [] for name in arms}
-    for r in range(rounds):
-        order = list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]
-        for name, llm in order:
-            prompt = [ids(rng, 256)]
-            one = timed(llm, prompt, 1)
-            full = timed(llm, [prompt[0][::-1]], 129)
-            tpot[name].append((full - one) / 128)
-            batch = [ids(rng, 256) for _ in range(4)]
-            prefill[name].append(4 * 256 / timed(llm, batch, 1))
-            print(f"round {r} {name}: {1e3 * tpot[name][-1]:.2f} ms/tok, "
-                  f"prefill {prefill[name][-1]:.0f} tok/s", flush=True)
+    for r, name, llm in interleaved(arms, rounds):
+        tpot[name].append(per_output_token(llm, rng))
+        batch = [ids(rng, 256) for _ in range(4)]
+        prefill[name].append(4 * 256 / timed(llm, batch, 1))
+        print(f"round {r} {name}: {1e3 * tpot[name][-1]:.2f} ms/tok, "
+              f"prefill {prefill[name][-1]:.0f} tok/s", flush=True)
     print(f"gemma3-270m Q4_K_M {'arm':7} {'c=1 ms/tok (best)':>18} {'prefill tok/s (best)':>21}")
     for name in arms:
         print(f"{'':18} {name:7} {1e3 * min(tpot[name]):18.2f} {max(prefill[name]):21.0f}")
@@ -334,14 +342,9 @@ def gguf_decode(rounds: int, types: list[str], layered: bool) -> None:
     steps = {name: _count_fused(llm) for name, llm in arms.items()}
     rng = random.Random(0)
     tpot: dict[str, list[float]] = {name: [] for name in arms}
-    for r in range(rounds):
-        order = list(arms.items()) if r % 2 == 0 else list(arms.items())[::-1]
-        for name, llm in order:
-            prompt = [ids(rng, 256)]  # fresh tokens: no prefix-cache hits
-            one = timed(llm, prompt, 1)
-            full = timed(llm, [prompt[0][::-1]], 129)
-            tpot[name].append((full - one) / 128)
-            print(f"round {r} {name}: {1e3 * tpot[name][-1]:.2f} ms/tok", flush=True)
+    for r, name, llm in interleaved(arms, rounds):
+        tpot[name].append(per_output_token(llm, rng))
+        print(f"round {r} {name}: {1e3 * tpot[name][-1]:.2f} ms/tok", flush=True)
     print(f"\nc=1 decode, default model ({torch.get_num_threads()} threads)")
     print(f"{'arm':10} {'fused steps':>11} {'weight MiB':>10} {'ms/tok best':>11} {'median':>7} "
           f"{'x bf16':>6}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import count_fused_calls
+from conftest import count_fused_calls, kernel_path_fixture
 
 from engine.layers.gguf_quant import BLOCKS_FILE, GGUF_PACKED_ENV, GGUFWeights
 from kernels.cpu_ops import load_cpu_ops
@@ -144,3 +144,43 @@ def test_mixed_layout_spec_is_checked():
     spec = torch.tensor([1, 64, 8, 128, 0, 0], dtype=torch.int64)  # one Q8_0 part, no tensors
     with pytest.raises(RuntimeError, match="weights end"):
         ops.decode_layers_mixed(x, i32.long(), x, [norm], spec, False, False, *args)
+
+
+kernel_path = kernel_path_fixture("gguf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_activations_round_half_to_even_per_32_block(kernel_path, dtype, m):
+    """Each decode linear quantizes x as the torch oracle does: per 32-block d = max|x| / 127
+    and q = round-half-even(x / d) (a true division). With Q8_0 weights of scale 1, an output is
+    sum over blocks of d * (dot(u, q) - 128 * sum(q)) in float32, so any other rounding of one
+    quant changes its bits; half of x sits exactly on .5 steps, and one block is all zeros."""
+    from engine.layers.gguf_quant import PackedQuant, unpack_blocks
+
+    n, k = 20, 96  # a ragged channel group, three blocks
+    gen = torch.Generator().manual_seed(m)
+    raw = np.zeros((n, k // 32, 34), np.uint8)
+    raw[..., 0:2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    quants = torch.randint(-127, 128, (n, k // 32, 32), generator=gen, dtype=torch.int8)
+    raw[..., 2:] = quants.numpy().view(np.uint8)
+    p = PackedQuant("Q8_0", *unpack_blocks("Q8_0", raw.reshape(n, -1)))
+    steps = 2.0 ** torch.randint(-6, 3, (m, k // 32, 1), generator=gen)  # d of each block
+    ties = torch.randint(-126, 126, (m, k // 32, 32), generator=gen) + 0.5
+    x = torch.where(torch.rand(m, k // 32, 32, generator=gen) < 0.5, ties,
+                    (torch.randn(m, k // 32, 32, generator=gen) * 60).clamp(-126, 126)) * steps
+    x[:, :, 0] = 127 * steps[..., 0]  # the block's max: d is the step exactly
+    x[0, 1] = 0.0
+    x = x.reshape(m, k).to(dtype)
+    out = torch.empty(m, n, dtype=dtype)
+    ops.gguf_linear(out, x, p.qs, p.qh, p.scales, p.mins, p.bits, p.zero, None)
+    xb = x.float().view(m, k // 32, 32)
+    d = xb.abs().amax(-1) / 127  # float32, as the kernel
+    q = torch.where(d[..., None] == 0, 0.0, torch.round(xb / d[..., None])).clamp(-127, 127)
+    u = p.quants().long().view(n, k // 32, 32)
+    want = torch.zeros(m, n)
+    for b in range(k // 32):
+        dot = (q[:, b].long() @ u[:, b].T).float()  # exact integers
+        xc = d[:, b, None] * (q[:, b].sum(-1, keepdim=True) * -128.0)
+        want = want + (dot * d[:, b, None] + xc)
+    assert torch.equal(out, want.to(dtype))

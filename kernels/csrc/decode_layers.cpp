@@ -15,7 +15,8 @@
 // prepares them), else the decode kernel.
 // decode_layers_mixed: the same step where each linear is either AMX-packed bf16 or GGUF-packed
 // parts (gguf_quant.cpp's layout, consecutive output rows of one type each, multiplied by
-// gguf_linear part by part as engine/layers/gguf_quant.py's GGUFWeights does). The layout per
+// gguf_linear_parts: the bits of gguf_linear part by part, as engine/layers/gguf_quant.py's
+// GGUFWeights calls it, with x quantized once). The layout per
 // layer is the one above with each linear a run of tensors that `spec` (int64, read in order,
 // one entry list per linear) describes: [0] one AMX-packed tensor follows; [P, then per part
 // n, bits, zero, has_qh, has_mins] the tensors qs, (qh), scales, (mins) of each part follow.
@@ -28,14 +29,6 @@
 
 namespace pagedserve_cpu {
 namespace {
-
-struct GgufPart {
-  const at::Tensor* qs;
-  const at::Tensor* qh;  // nullptr: 4 or 8 bits
-  const at::Tensor* scales;
-  const at::Tensor* mins;  // nullptr: a type without a min
-  int64_t n, bits, zero;
-};
 
 // One projection: AMX-packed bf16 (amx) or GGUF parts; n its output features.
 struct LinearW {
@@ -64,21 +57,14 @@ LinearW amx_weight(const at::Tensor& packed) {
   return w;
 }
 
-// out [tokens, n] = x @ W^T (+ bias): the calls the layers' linear makes for this weight.
+// out [tokens, n] = x @ W^T (+ bias): the bits of the layers' linear for this weight.
 void run_linear(const at::Tensor& out, const at::Tensor& x, const LinearW& w,
                 const at::Tensor* bias) {
   if (w.amx != nullptr) {
     amx_linear(out, x, *w.amx, maybe(bias));
     return;
   }
-  int64_t start = 0;
-  for (const GgufPart& p : w.parts) {
-    const std::optional<at::Tensor> b =
-        bias != nullptr ? std::optional<at::Tensor>(bias->narrow(0, start, p.n)) : std::nullopt;
-    gguf_linear(out.narrow(1, start, p.n), x, *p.qs, maybe(p.qh), *p.scales, maybe(p.mins),
-                p.bits, p.zero, b);
-    start += p.n;
-  }
+  gguf_linear_parts(out, x, w.parts, bias);
 }
 
 struct StepArgs {
@@ -108,7 +94,20 @@ at::Tensor run_layers(const at::Tensor& embeds, const std::vector<LayerW>& layer
   const int64_t q_size = s.num_heads * head_dim, kv_size = s.num_kv_heads * head_dim;
   const auto opts = embeds.options();
   const at::Tensor& residual = embeds;
+  // every layer's activations in the same buffers, allocated once per step; each buffer is
+  // read only before it is written again (x: norm out -> qkv in, o out -> gate_up in, down out)
+  const int64_t inter = layers.empty() ? 0 : layers[0].gate_up.n;
   at::Tensor x = at::empty_like(embeds);
+  at::Tensor qkv = at::empty({tokens, q_size + 2 * kv_size}, opts);
+  at::Tensor attn = at::empty({tokens, s.num_heads, head_dim}, opts);
+  at::Tensor gate_up = at::empty({tokens, inter}, opts);
+  at::Tensor h = at::empty({tokens, inter / 2}, opts);
+  const at::Tensor q_view = qkv.narrow(1, 0, q_size).view({tokens, s.num_heads, head_dim});
+  const at::Tensor k_view =
+      qkv.narrow(1, q_size, kv_size).view({tokens, s.num_kv_heads, head_dim});
+  const at::Tensor v =
+      qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, s.num_kv_heads, head_dim});
+  const at::Tensor attn_rows = attn.view({tokens, q_size});
   // batch_invariant: every row a one-query sequence of the prefill kernel
   at::Tensor q_start, q_len;
   if (s.batch_invariant) {
@@ -121,6 +120,7 @@ at::Tensor run_layers(const at::Tensor& embeds, const std::vector<LayerW>& layer
   }
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerW& w = layers[l];
+    TORCH_CHECK(w.gate_up.n == inter, "decode_layers: every layer's gate_up has one width");
     const at::Tensor& k_cache = s.caches[2 * l];
     const at::Tensor& v_cache = s.caches[2 * l + 1];
     if (l == 0) {
@@ -128,10 +128,8 @@ at::Tensor run_layers(const at::Tensor& embeds, const std::vector<LayerW>& layer
     } else {
       fused_add_rms_norm(x, residual, *w.in_norm, s.eps);
     }
-    at::Tensor qkv = at::empty({tokens, q_size + 2 * kv_size}, opts);
     run_linear(qkv, x, w.qkv, w.qkv_bias);
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, s.num_heads, head_dim});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, s.num_kv_heads, head_dim});
+    at::Tensor q = q_view, k = k_view;
     if (w.q_norm != nullptr) {
       const at::Tensor q_rows = q.reshape({-1, head_dim}).contiguous();
       const at::Tensor k_rows = k.reshape({-1, head_dim}).contiguous();
@@ -142,11 +140,8 @@ at::Tensor run_layers(const at::Tensor& embeds, const std::vector<LayerW>& layer
       q = q_out.view({tokens, s.num_heads, head_dim});
       k = k_out.view({tokens, s.num_kv_heads, head_dim});
     }
-    const at::Tensor v =
-        qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, s.num_kv_heads, head_dim});
     rotary_embedding(s.positions, q, k, s.cos_sin);
     write_kv(k, v, k_cache, v_cache, s.slot_mapping);
-    at::Tensor attn = at::empty({tokens, s.num_heads, head_dim}, opts);
     if (s.batch_invariant) {
       paged_attention_prefill(attn, q, k_cache, v_cache, s.block_table, q_start, q_len,
                               s.seq_lens, s.scale);
@@ -156,14 +151,10 @@ at::Tensor run_layers(const at::Tensor& embeds, const std::vector<LayerW>& layer
     } else {
       paged_attention_decode(attn, q, k_cache, v_cache, s.block_table, s.seq_lens, s.scale);
     }
-    x = at::empty({tokens, hidden}, opts);
-    run_linear(x, attn.view({tokens, q_size}), w.o, nullptr);
+    run_linear(x, attn_rows, w.o, nullptr);
     fused_add_rms_norm(x, residual, *w.post_norm, s.eps);
-    at::Tensor gate_up = at::empty({tokens, w.gate_up.n}, opts);
     run_linear(gate_up, x, w.gate_up, nullptr);
-    at::Tensor h = at::empty({tokens, gate_up.size(1) / 2}, opts);
     silu_and_mul(h, gate_up);
-    x = at::empty({tokens, hidden}, opts);
     run_linear(x, h, w.down, nullptr);
   }
   fused_add_rms_norm(x, residual, s.final_norm, s.eps);

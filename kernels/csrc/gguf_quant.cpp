@@ -31,53 +31,114 @@ namespace {
 constexpr int64_t kLanes = 16;  // output channels per group
 constexpr int64_t kBlock = 32;  // k per block
 constexpr int kRows = 4;        // rows sharing one weight decode
+constexpr int64_t kRowTile = 64;  // rows per work item: a group's weights stay in L1 over them
 
 std::atomic<bool> g_portable{false};
 
-// x quantized per 32-block: q int8 [M, K]; per (row, sub-block) the float factors of the dot
-// (xd = d) and of the sum (xc = d * xsum, times -zero for the types without a min).
-struct ActRows {
+// x quantized per 32-block, once for every part of a linear: q int8 [M, K], d [M, K / 32] and
+// the sums of q per 16 k [M, K / 16].
+struct ActQuant {
   std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sums;
+  int64_t m, k;
+};
+
+// What one part's kernel reads: per (row, sub-block) the float factors of the dot (xd = d) and
+// of the sum (xc = d * xsum, times -zero for the types without a min).
+struct ActRows {
+  const int8_t* q;            // [M, K]
   std::vector<float> xd, xc;  // [M, K / sub]
   int64_t k, subs;
 };
 
+#ifdef PAGEDSERVE_AVX512
+// One 32-block of x quantized in two vectors of 16, the scalar loop's operations lane by lane
+// (abs, max, one IEEE division per element, round-half-even, clamp): the same bits. Returns d;
+// sums[h] = sum of the quants of k 16h..16h+15.
 template <typename T>
-void quantize_act_row(const T* x, int64_t k, int64_t sub, float cfac, int8_t* q, float* xd,
-                      float* xc) {
+PAGEDSERVE_INLINE float quantize_block16x2(const T* xb, int8_t* qb, int32_t* sums) {
+  const __m512 lo = load16(xb), hi = load16(xb + 16);
+  // max(|x|, acc) keeps acc where |x| is NaN, as std::fmax(acc, |x|) does
+  const __m512 amax =
+      _mm512_max_ps(_mm512_abs_ps(hi), _mm512_max_ps(_mm512_abs_ps(lo), _mm512_setzero_ps()));
+  const float d = _mm512_reduce_max_ps(amax) / 127.0f;
+  if (d == 0.0f) {
+    std::memset(qb, 0, kBlock);
+    sums[0] = sums[1] = 0;
+    return d;
+  }
+  const __m512 vd = _mm512_set1_ps(d);
+  const __m512 lim = _mm512_set1_ps(127.0f), neg = _mm512_set1_ps(-127.0f);
+  const __m512 halves[2] = {lo, hi};
+  for (int h = 0; h < 2; ++h) {
+    const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(halves[h], vd),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    // max(v, -127) then min(., 127): NaN goes to -127 as std::fmax / std::fmin take it
+    const __m512i qi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, neg), lim));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16 * h), _mm512_cvtsepi32_epi8(qi));
+    sums[h] = _mm512_reduce_add_epi32(qi);
+  }
+  return d;
+}
+#endif
+
+// One row of x: d = max|x| / 127, q = round-half-even(x / d) per 32-block.
+template <typename T>
+void quantize_act_row(const T* x, int64_t k, int8_t* q, float* d, int32_t* sums) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const T* xb = x + b * kBlock;
+    int8_t* qb = q + b * kBlock;
+    int32_t* sb = sums + 2 * b;
+#ifdef PAGEDSERVE_AVX512
+    if constexpr (kVec<T>) {
+      d[b] = quantize_block16x2(xb, qb, sb);
+      continue;
+    }
+#endif
     float amax = 0.0f;
     for (int64_t i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(to_f(xb[i])));
-    const float d = amax / 127.0f;
-    int8_t* qb = q + b * kBlock;
+    const float db = amax / 127.0f;
+    sb[0] = sb[1] = 0;
     for (int64_t i = 0; i < kBlock; ++i) {
       // a division (not a multiply by 1/d) rounds as the torch oracle's does
-      const float v = d == 0.0f ? 0.0f : std::nearbyint(to_f(xb[i]) / d);
+      const float v = db == 0.0f ? 0.0f : std::nearbyint(to_f(xb[i]) / db);
       qb[i] = static_cast<int8_t>(std::fmin(std::fmax(v, -127.0f), 127.0f));
+      sb[i / 16] += qb[i];
     }
-    for (int64_t s = 0; s < kBlock / sub; ++s) {
-      int32_t sum = 0;
-      for (int64_t i = s * sub; i < (s + 1) * sub; ++i) sum += qb[i];
-      const int64_t j = b * (kBlock / sub) + s;
-      xd[j] = d;
-      xc[j] = d * (static_cast<float>(sum) * cfac);
-    }
+    d[b] = db;
   }
 }
 
 template <typename T>
-ActRows quantize_act(const at::Tensor& x, int64_t sub, float cfac) {
-  const int64_t m = x.size(0), k = x.size(1), ldx = x.stride(0), subs = k / sub;
-  ActRows a{std::vector<int8_t>(m * k), std::vector<float>(m * subs), std::vector<float>(m * subs),
-            k, subs};
+ActQuant quantize_act(const at::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1), ldx = x.stride(0), blocks = k / kBlock;
+  ActQuant a{std::vector<int8_t>(m * k), std::vector<float>(m * blocks),
+             std::vector<int32_t>(m * 2 * blocks), m, k};
   const T* xp = x.data_ptr<T>();
   at::parallel_for(0, m, row_grain(k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      quantize_act_row(xp + r * ldx, k, sub, cfac, a.q.data() + r * k, a.xd.data() + r * subs,
-                       a.xc.data() + r * subs);
+      quantize_act_row(xp + r * ldx, k, a.q.data() + r * k, a.d.data() + r * blocks,
+                       a.sums.data() + r * 2 * blocks);
   });
   return a;
+}
+
+// The factors for a part of scale size sub (32 or 16) and sum factor cfac.
+ActRows act_rows(const ActQuant& a, int64_t sub, float cfac) {
+  const int64_t blocks = a.k / kBlock, per_block = kBlock / sub, subs = blocks * per_block;
+  ActRows r{a.q.data(), std::vector<float>(a.m * subs), std::vector<float>(a.m * subs), a.k,
+            subs};
+  for (int64_t i = 0; i < a.m * blocks; ++i) {
+    const float d = a.d[i];
+    const int32_t* sb = a.sums.data() + 2 * i;
+    for (int64_t s = 0; s < per_block; ++s) {
+      const int32_t sum = per_block == 1 ? sb[0] + sb[1] : sb[s];
+      r.xd[i * per_block + s] = d;
+      r.xc[i * per_block + s] = d * (static_cast<float>(sum) * cfac);
+    }
+  }
+  return r;
 }
 
 struct Weights {
@@ -122,7 +183,7 @@ void portable_group(const Weights& w, const ActRows& a, int64_t g, int64_t m0, i
   const int64_t per_block = kBlock / w.sub, groups_per_sub = 8 / per_block;
   for (int64_t m = m0; m < m1; ++m) {
     float acc[kLanes] = {};
-    const int8_t* xq = a.q.data() + m * a.k;
+    const int8_t* xq = a.q + m * a.k;
     for (int64_t b = 0; b < w.blocks; ++b) {
       const uint8_t* qs = qs_g + b * w.nq * 64;
       const uint8_t* qh = qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr;
@@ -147,6 +208,11 @@ void portable_group(const Weights& w, const ActRows& a, int64_t g, int64_t m0, i
     store_row(acc, n0, lanes, bias, out + m * ldo);
   }
 }
+
+// One channel group's outputs for rows m0..m1 (a VNNI template or the portable loop).
+template <typename T>
+using GroupFn = void (*)(const Weights&, const ActRows&, int64_t, int64_t, int64_t, const T*, T*,
+                         int64_t);
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PAGEDSERVE_GGUF_VNNI 1
@@ -184,6 +250,28 @@ PAGEDSERVE_INLINE void decode_block(const uint8_t* qs, const uint8_t* qh, __m512
   }
 }
 
+// Blocks ahead that vnni_rows asks the cache for: the hardware prefetcher alone leaves a
+// one-row GEMV short of the machine's read bandwidth (bench/gguf_profile.py prints both).
+constexpr int64_t kPrefetchBlocks = 4;
+
+// Into L1: the cache lines of block b of group g (past the group's last block: the next group's
+// first, which follow in memory; a prefetch past the tensor's end does not fault).
+template <int Bits, bool Mins, int PerBlock>
+PAGEDSERVE_INLINE void prefetch_block(const Weights& w, int64_t g, int64_t b) {
+  constexpr int kNq = Bits == 8 ? 8 : 4, kNh = Bits == 5 ? 1 : Bits == 6 ? 2 : 0;
+  const char* qs = reinterpret_cast<const char*>(w.qs + (g * w.blocks + b) * kNq * 64);
+  for (int c = 0; c < kNq; ++c) _mm_prefetch(qs + 64 * c, _MM_HINT_T0);
+  if constexpr (kNh > 0) {
+    const char* qh = reinterpret_cast<const char*>(w.qh + (g * w.blocks + b) * kNh * 64);
+    for (int c = 0; c < kNh; ++c) _mm_prefetch(qh + 64 * c, _MM_HINT_T0);
+  }
+  const char* sc =
+      reinterpret_cast<const char*>(w.scales + (g * w.blocks + b) * PerBlock * kLanes);
+  for (int c = 0; c < PerBlock; ++c) _mm_prefetch(sc + 64 * c, _MM_HINT_T0);
+  if constexpr (Mins)
+    _mm_prefetch(reinterpret_cast<const char*>(w.mins + (g * w.blocks + b) * kLanes), _MM_HINT_T0);
+}
+
 // R rows (R <= kRows) of one channel group: each block is decoded once for all R rows.
 template <int R, int Bits, bool Mins, int PerBlock, typename T>
 PAGEDSERVE_INLINE void vnni_rows(const Weights& w, const ActRows& a, int64_t g, int64_t m0,
@@ -196,6 +284,7 @@ PAGEDSERVE_INLINE void vnni_rows(const Weights& w, const ActRows& a, int64_t g, 
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.blocks; ++b) {
+    prefetch_block<Bits, Mins, PerBlock>(w, g, b + kPrefetchBlocks);
     __m512i wv[8];
     decode_block<Bits>(qs_g + b * w.nq * 64, qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr,
                        wv);
@@ -203,13 +292,18 @@ PAGEDSERVE_INLINE void vnni_rows(const Weights& w, const ActRows& a, int64_t g, 
       const int64_t j = b * PerBlock + s;
       const __m512 sc = _mm512_loadu_ps(sc_g + j * kLanes);
       for (int r = 0; r < R; ++r) {
-        const int8_t* xq = a.q.data() + (m0 + r) * a.k + b * kBlock;
-        __m512i dot = _mm512_setzero_si512();
-        for (int v = s * kPerSub; v < (s + 1) * kPerSub; ++v) {
-          int32_t four;
-          std::memcpy(&four, xq + v * 4, 4);
-          dot = _mm512_dpbusd_epi32(dot, wv[v], _mm512_set1_epi32(four));
+        const int8_t* xq = a.q + (m0 + r) * a.k + b * kBlock;
+        // two dependency chains of vpdpbusd (its latency, not its throughput, bounds one);
+        // the integer sum is exact in any order
+        __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
+        for (int v = s * kPerSub; v < (s + 1) * kPerSub; v += 2) {
+          int32_t f0, f1;
+          std::memcpy(&f0, xq + v * 4, 4);
+          std::memcpy(&f1, xq + v * 4 + 4, 4);
+          dot0 = _mm512_dpbusd_epi32(dot0, wv[v], _mm512_set1_epi32(f0));
+          dot1 = _mm512_dpbusd_epi32(dot1, wv[v + 1], _mm512_set1_epi32(f1));
         }
+        const __m512i dot = _mm512_add_epi32(dot0, dot1);
         const int64_t at = (m0 + r) * a.subs + j;
         const __m512 xd = _mm512_set1_ps(a.xd[at]), xc = _mm512_set1_ps(a.xc[at]);
         const __m512 dx = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), xd);
@@ -245,10 +339,6 @@ void vnni_group(const Weights& w, const ActRows& a, int64_t g, int64_t m0, int64
 
 // The template for this weight format; nullptr for a combination no GGUF type has.
 template <typename T>
-using GroupFn = void (*)(const Weights&, const ActRows&, int64_t, int64_t, int64_t, const T*, T*,
-                         int64_t);
-
-template <typename T>
 GroupFn<T> vnni_for(const Weights& w) {
   const bool mins = w.mins != nullptr;
   const int per_block = static_cast<int>(kBlock / w.sub);
@@ -272,30 +362,47 @@ bool use_vnni() {
 #endif
 }
 
-// Work items are (channel group, row tile): rows in tiles of 64 keep a group's weights in L1
-// while every row tile passes over them.
+// One part as the kernel runs it: its weights, activation factors, kernel and output columns.
 template <typename T>
-void run_gguf(const Weights& w, const ActRows& a, const T* bias, T* out, int64_t ldo, int64_t m) {
-  constexpr int64_t kRowTile = 64;
-  const int64_t groups = (w.n + kLanes - 1) / kLanes;
+struct PartRun {
+  Weights w;
+  ActRows a;
+  GroupFn<T> fast;  // nullptr: the portable loop
+  const T* bias;    // this part's first column, or nullptr
+  T* out;           // this part's first column
+  int64_t items;    // groups * row tiles
+};
+
+// Work items are (part, channel group, row tile), the parts' items one after another in one
+// parallel region: rows in tiles of 64 keep a group's weights in L1 while every row tile
+// passes over them.
+template <typename T>
+void run_gguf(const std::vector<PartRun<T>>& parts, int64_t ldo, int64_t m) {
   const int64_t tiles = (m + kRowTile - 1) / kRowTile;
-  GroupFn<T> fast = nullptr;
-#ifdef PAGEDSERVE_GGUF_VNNI
-  if (use_vnni()) fast = vnni_for<T>(w);
-#endif
-  WorkQueue(groups * tiles).run([&](WorkQueue& queue) {
+  int64_t total = 0;
+  for (const PartRun<T>& p : parts) total += p.items;
+  WorkQueue(total).run([&](WorkQueue& queue) {
     int64_t begin, end;
     while (queue.take(begin, end)) {
+      size_t i = 0;
+      int64_t first = 0;  // parts[i]'s first item
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t g = item % groups, m0 = (item / groups) * kRowTile;
+        while (item - first >= parts[i].items) first += parts[i++].items;
+        const PartRun<T>& p = parts[i];
+        const int64_t groups = p.items / tiles, local = item - first;
+        const int64_t g = local % groups, m0 = (local / groups) * kRowTile;
         const int64_t m1 = std::min(m, m0 + kRowTile);
-        if (fast != nullptr)
-          fast(w, a, g, m0, m1, bias, out, ldo);
+        if (p.fast != nullptr)
+          p.fast(p.w, p.a, g, m0, m1, p.bias, p.out, ldo);
         else
-          portable_group(w, a, g, m0, m1, bias, out, ldo);
+          portable_group(p.w, p.a, g, m0, m1, p.bias, p.out, ldo);
       }
     }
   });
+}
+
+std::optional<at::Tensor> maybe_tensor(const at::Tensor* t) {
+  return t != nullptr ? std::optional<at::Tensor>(*t) : std::nullopt;
 }
 
 Weights check_weights(const at::Tensor& qs, const std::optional<at::Tensor>& qh,
@@ -374,28 +481,60 @@ void dequantize_group(const Weights& w, int64_t g, T* out, int64_t ldo) {
 
 }  // namespace
 
-void gguf_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qs,
-                 const std::optional<at::Tensor>& qh, const at::Tensor& scales,
-                 const std::optional<at::Tensor>& mins, int64_t bits, int64_t zero,
-                 const std::optional<at::Tensor>& bias) {
+void gguf_linear_parts(const at::Tensor& out, const at::Tensor& x,
+                       const std::vector<GgufPart>& parts, const at::Tensor* bias) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "gguf_linear: x must be [M, K], rows contiguous");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1 &&
                   out.scalar_type() == x.scalar_type(),
               "gguf_linear: out must be [M, N] of x's dtype, rows contiguous");
+  TORCH_CHECK(!parts.empty(), "gguf_linear: a linear has at least one part");
   const int64_t m = x.size(0), n = out.size(1);
-  const Weights w = check_weights(qs, qh, scales, mins, n, bits, zero, "gguf_linear");
-  TORCH_CHECK(x.size(1) == w.k, "gguf_linear: x has K=", x.size(1), ", the weight ", w.k);
-  if (bias.has_value())
+  std::vector<Weights> ws;
+  int64_t width = 0;
+  for (const GgufPart& p : parts) {
+    ws.push_back(check_weights(*p.qs, maybe_tensor(p.qh), *p.scales, maybe_tensor(p.mins), p.n,
+                               p.bits, p.zero, "gguf_linear"));
+    TORCH_CHECK(x.size(1) == ws.back().k, "gguf_linear: x has K=", x.size(1), ", the weight ",
+                ws.back().k);
+    width += p.n;
+  }
+  TORCH_CHECK(width == n, "gguf_linear: the parts have ", width, " outputs, out ", n);
+  if (bias != nullptr)
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == n &&
                     bias->scalar_type() == x.scalar_type(),
                 "gguf_linear: bias must be contiguous [N] of x's dtype");
   if (m == 0) return;
-  const float cfac = mins.has_value() ? 1.0f : -static_cast<float>(zero);
+  const int64_t tiles = (m + kRowTile - 1) / kRowTile;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gguf_linear", [&] {
-    const ActRows a = quantize_act<scalar_t>(x, w.sub, cfac);
-    const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
-    run_gguf<scalar_t>(w, a, b, out.data_ptr<scalar_t>(), out.stride(0), m);
+    const ActQuant aq = quantize_act<scalar_t>(x);  // once for every part
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t* b = bias != nullptr ? bias->data_ptr<scalar_t>() : nullptr;
+    std::vector<PartRun<scalar_t>> runs;
+    int64_t start = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const Weights& w = ws[i];
+      const float cfac = w.mins != nullptr ? 1.0f : -w.zero;
+      GroupFn<scalar_t> fast = nullptr;
+#ifdef PAGEDSERVE_GGUF_VNNI
+      if (use_vnni()) fast = vnni_for<scalar_t>(w);
+#endif
+      runs.push_back(PartRun<scalar_t>{w, act_rows(aq, w.sub, cfac), fast,
+                                       b != nullptr ? b + start : nullptr, o + start,
+                                       (w.n + kLanes - 1) / kLanes * tiles});
+      start += w.n;
+    }
+    run_gguf<scalar_t>(runs, out.stride(0), m);
   });
+}
+
+void gguf_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qs,
+                 const std::optional<at::Tensor>& qh, const at::Tensor& scales,
+                 const std::optional<at::Tensor>& mins, int64_t bits, int64_t zero,
+                 const std::optional<at::Tensor>& bias) {
+  const GgufPart part{&qs, qh.has_value() ? &*qh : nullptr, &scales,
+                      mins.has_value() ? &*mins : nullptr, out.dim() == 2 ? out.size(1) : 0,
+                      bits, zero};
+  gguf_linear_parts(out, x, {part}, bias.has_value() ? &*bias : nullptr);
 }
 
 void gguf_dequantize(const at::Tensor& out, const at::Tensor& qs,

@@ -78,6 +78,18 @@ void gguf_dequantize(const at::Tensor& out, const at::Tensor& qs,
                      const std::optional<at::Tensor>& mins, int64_t bits, int64_t zero);
 std::string gguf_kernel();
 bool set_gguf_portable(bool portable);
+// One part of a GGUF-packed linear: n consecutive outputs of one type in gguf_quant.cpp's layout.
+struct GgufPart {
+  const at::Tensor* qs;
+  const at::Tensor* qh;  // nullptr: 4 or 8 bits
+  const at::Tensor* scales;
+  const at::Tensor* mins;  // nullptr: a type without a min
+  int64_t n, bits, zero;
+};
+// out = x @ W^T (+ bias) for W the parts' rows one after another: the bits of gguf_linear part
+// by part, with x quantized once and every part in one parallel region.
+void gguf_linear_parts(const at::Tensor& out, const at::Tensor& x,
+                       const std::vector<GgufPart>& parts, const at::Tensor* bias);
 
 // gguf_gemm.cpp
 void gguf_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qs,
