@@ -87,13 +87,14 @@ def _serve(model_dir, monkeypatch, max_rows: int):
     return LLM(str(model_dir), dtype="bfloat16", max_model_len=256)
 
 
-@pytest.mark.parametrize("num_prompts", [1, 5])
+@pytest.mark.parametrize("num_prompts", [1, 5, 20])
 def test_packed_model_decodes_fused_with_the_bits_of_the_layer_by_layer_path(
     packed_dir, monkeypatch, num_prompts
 ):
-    """c=1 and a batch: every decode step of the GGUF-packed model runs in one
+    """c=1 and batches: every decode step of the GGUF-packed model runs in one
     decode_layers_mixed call, and its greedy tokens and logprobs (the logits, to the bit) equal
-    the layer-by-layer packed path's."""
+    the layer-by-layer packed path's. 20 rows reach gguf_gemm's threshold (GEMM_MIN_ROWS), so
+    the step must switch kernels at the same row count as the layers."""
     import kernels.cpu_backend as cpu_backend
     from engine import SamplingParams
     from tests.conftest import make_prompts

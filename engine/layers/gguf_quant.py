@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 BLOCKS_FILE = "gguf_blocks.bin"  # safetensors format; not *.safetensors, so not read as weights
 LANES, BLOCK = 16, 32
 # Where the CPU has AMX, calls of at least this many rows run gguf_gemm, fewer the integer
-# kernel (bench/gguf_gemm.py measures both against bf16 weights at M = 8..256).
+# kernel (bench/gguf_gemm.py measures both against bf16 weights at M = 8..256). The fused decode
+# step has the same rule in C++ (kernels/csrc/ops.h kGgufGemmMinRows).
 GEMM_MIN_ROWS = 16
 # Without AMX: rows up to this run the integer kernel; more dequantize the weight and run one
 # matmul, which only pays off for long prefill chunks (bench/quantization.py --gguf).

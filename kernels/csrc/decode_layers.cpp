@@ -64,6 +64,18 @@ void run_linear(const at::Tensor& out, const at::Tensor& x, const LinearW& w,
     amx_linear(out, x, *w.amx, maybe(bias));
     return;
   }
+  if (x.size(0) >= kGgufGemmMinRows && gguf_gemm_available()) {
+    // as engine/layers/gguf_quant.py dispatches a call of this many rows: part by part on AMX
+    int64_t start = 0;
+    for (const GgufPart& p : w.parts) {
+      std::optional<at::Tensor> b;
+      if (bias != nullptr) b = bias->narrow(0, start, p.n);
+      gguf_gemm(out.narrow(1, start, p.n), x, *p.qs, maybe(p.qh), *p.scales,
+                maybe(p.mins), p.bits, p.zero, b);
+      start += p.n;
+    }
+    return;
+  }
   gguf_linear_parts(out, x, w.parts, bias);
 }
 
