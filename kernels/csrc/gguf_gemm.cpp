@@ -20,6 +20,7 @@
 // against on those operation counts, not built; bench/gguf_gemm.py measures this kernel
 // against VNNI, dequantize + matmul and bf16 weights.)
 #include "common.h"
+#include "gguf_layout.h"
 #include "ops.h"
 
 #include <optional>
@@ -44,36 +45,6 @@ struct Packed {
   int bits, zero;
 };
 
-// The 8 quant vectors of one block (the layout's byte map; gguf_quant.cpp decodes it the same).
-template <int Bits>
-PAGEDSERVE_INLINE void decode_block(const uint8_t* qs, const uint8_t* qh, __m512i* wv) {
-  if constexpr (Bits == 8) {
-    for (int v = 0; v < 8; ++v) wv[v] = _mm512_loadu_si512(qs + v * 64);
-  } else {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int v = 0; v < 4; ++v) {
-      const __m512i t = _mm512_loadu_si512(qs + v * 64);
-      wv[v] = _mm512_and_si512(t, low);
-      wv[v + 4] = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
-    }
-    if constexpr (Bits == 5) {
-      const __m512i h = _mm512_loadu_si512(qh);
-      for (int v = 0; v < 8; ++v) {  // bit v -> bit 4
-        const __m512i bit = v <= 4 ? _mm512_slli_epi16(h, 4 - v) : _mm512_srli_epi16(h, v - 4);
-        wv[v] = _mm512_or_si512(wv[v], _mm512_and_si512(bit, _mm512_set1_epi8(0x10)));
-      }
-    } else if constexpr (Bits == 6) {
-      for (int v = 0; v < 8; ++v) {  // bits 2t, 2t+1 of vector v / 4 -> bits 4, 5
-        const __m512i h = _mm512_loadu_si512(qh + (v / 4) * 64);
-        const int shift = 2 * (v % 4);
-        const __m512i two =
-            shift <= 4 ? _mm512_slli_epi16(h, 4 - shift) : _mm512_srli_epi16(h, shift - 4);
-        wv[v] = _mm512_or_si512(wv[v], _mm512_and_si512(two, _mm512_set1_epi8(0x30)));
-      }
-    }
-  }
-}
-
 // Channel group g as K/32 bf16 B tiles, tile b at dst + b * step: row r holds
 // (W[n][32b + 2r], W[n][32b + 2r + 1]) for n = 0..15. Dword lane l of a block's vector v holds
 // channel l's quants at k 4v..4v+3, one per byte: shifting byte j down gives 16 channels at
@@ -96,7 +67,7 @@ void dequantize_tiles(const Packed& w, int64_t g, c10::BFloat16* dst, int64_t st
   const __m512 neg_zero = _mm512_set1_ps(-static_cast<float>(w.zero));
   for (int64_t b = 0; b < w.blocks; ++b) {
     __m512i wv[8];
-    decode_block<Bits>(qs_g + b * w.nq * 64, qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr,
+    gguf_decode_block<Bits>(qs_g + b * w.nq * 64, qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr,
                        wv);
     c10::BFloat16* tile = dst + b * step;
     for (int s = 0; s < PerBlock; ++s) {

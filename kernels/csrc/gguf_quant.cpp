@@ -20,6 +20,7 @@
 // (or when set_gguf_portable). Many rows go to gguf_dequantize + a bf16 matmul (the Python side
 // picks, bench/quantization.py measures the threshold).
 #include "common.h"
+#include "gguf_layout.h"
 #include "ops.h"
 
 #include <optional>
@@ -217,39 +218,6 @@ using GroupFn = void (*)(const Weights&, const ActRows&, int64_t, int64_t, int64
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PAGEDSERVE_GGUF_VNNI 1
 
-// Bits 4-5 (6-bit types) or bit 4 (5-bit) of vector v's quants from the high-bit vectors.
-template <int Bits>
-PAGEDSERVE_INLINE __m512i high_bits(const uint8_t* qh, int v) {
-  if constexpr (Bits == 5) {
-    const __m512i h = _mm512_loadu_si512(qh);
-    const __m512i bit = v <= 4 ? _mm512_slli_epi16(h, 4 - v) : _mm512_srli_epi16(h, v - 4);
-    return _mm512_and_si512(bit, _mm512_set1_epi8(0x10));
-  } else {
-    const __m512i h = _mm512_loadu_si512(qh + (v / 4) * 64);
-    const int shift = 2 * (v % 4);  // bits shift, shift+1 -> 4, 5
-    const __m512i bits =
-        shift <= 4 ? _mm512_slli_epi16(h, 4 - shift) : _mm512_srli_epi16(h, shift - 4);
-    return _mm512_and_si512(bits, _mm512_set1_epi8(0x30));
-  }
-}
-
-// The 8 quant vectors of one block (16 channels x 32 k).
-template <int Bits>
-PAGEDSERVE_INLINE void decode_block(const uint8_t* qs, const uint8_t* qh, __m512i* wv) {
-  if constexpr (Bits == 8) {
-    for (int v = 0; v < 8; ++v) wv[v] = _mm512_loadu_si512(qs + v * 64);
-  } else {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int v = 0; v < 4; ++v) {
-      const __m512i t = _mm512_loadu_si512(qs + v * 64);
-      wv[v] = _mm512_and_si512(t, low);
-      wv[v + 4] = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
-    }
-    if constexpr (Bits == 5 || Bits == 6)
-      for (int v = 0; v < 8; ++v) wv[v] = _mm512_or_si512(wv[v], high_bits<Bits>(qh, v));
-  }
-}
-
 // Blocks ahead that vnni_rows asks the cache for: the hardware prefetcher alone leaves a
 // one-row GEMV short of the machine's read bandwidth (bench/gguf_profile.py prints both).
 constexpr int64_t kPrefetchBlocks = 4;
@@ -286,7 +254,7 @@ PAGEDSERVE_INLINE void vnni_rows(const Weights& w, const ActRows& a, int64_t g, 
   for (int64_t b = 0; b < w.blocks; ++b) {
     prefetch_block<Bits, Mins, PerBlock>(w, g, b + kPrefetchBlocks);
     __m512i wv[8];
-    decode_block<Bits>(qs_g + b * w.nq * 64, qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr,
+    gguf_decode_block<Bits>(qs_g + b * w.nq * 64, qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr,
                        wv);
     for (int s = 0; s < PerBlock; ++s) {
       const int64_t j = b * PerBlock + s;
@@ -445,10 +413,10 @@ PAGEDSERVE_INLINE void decode_bytes(const Weights& w, const uint8_t* qs, const u
 #ifdef PAGEDSERVE_GGUF_VNNI
   __m512i wv[8];
   switch (w.bits) {
-    case 8: decode_block<8>(qs, qh, wv); break;
-    case 4: decode_block<4>(qs, qh, wv); break;
-    case 5: decode_block<5>(qs, qh, wv); break;
-    default: decode_block<6>(qs, qh, wv); break;
+    case 8: gguf_decode_block<8>(qs, qh, wv); break;
+    case 4: gguf_decode_block<4>(qs, qh, wv); break;
+    case 5: gguf_decode_block<5>(qs, qh, wv); break;
+    default: gguf_decode_block<6>(qs, qh, wv); break;
   }
   for (int v = 0; v < 8; ++v) _mm512_storeu_si512(tmp + v * 64, wv[v]);
 #else
