@@ -252,11 +252,15 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(q.put_nowait, e)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """One wake-up per event loop per step, however many of its requests ran in it."""
+        deliveries: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 loop, q = stream
-                loop.call_soon_threadsafe(q.put_nowait, out)
+                deliveries.setdefault(loop, []).append((q, out))
+        for loop, items in deliveries.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     def _fail_all(self, error: BaseException) -> None:
         for loop, q in list(self._streams.values()):
@@ -269,6 +273,11 @@ class AsyncEngine:
         logger.warning("injected stall (%s): the engine loop stops stepping", FAULT_INJECT_ENV)
         while not self._stop.is_set():
             time.sleep(0.05)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _fault_plan(spec: str) -> tuple[str | None, int]:

@@ -7,6 +7,7 @@ before a response (or an SSE header) exists.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
@@ -164,6 +165,12 @@ async def merge_outputs(
 
     Leaving early (client disconnect) cancels the pumps, which aborts the engine requests.
     """
+    if len(choices) == 1:  # the common case: no pump task, no queue between it and the response
+        index = choices[0].index
+        async with contextlib.aclosing(ctx.engine.generate(choices[0].request)) as stream:
+            async for out in stream:
+                yield [(index, out)]
+        return
     ready: asyncio.Queue = asyncio.Queue()
 
     async def pump(choice: ChoiceRequest) -> None:
