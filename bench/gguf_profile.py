@@ -24,6 +24,12 @@ step's inputs are kept and its parts replayed, each the median over --reps:
 "hot" is one weight called over and over (an L2-sized one stays in cache): the kernel's own
 ceiling. Then the machine's read bandwidth: a sum over a uint8 tensor of L2, L3 and DRAM sizes
 with 1 and the configured threads.
+
+    OMP_NUM_THREADS=1 python bench/gguf_profile.py --clock cpu --scales-ab --rounds 5
+
+--scales-ab: instead, per type, the linears row of the same model loaded twice, as served
+(fp16 scales for the 32-weight types) and with float32 scales and mins (the layout before
+them), timed interleaved over --rounds, the order reversed every other round; median per arm.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import statistics
 import time
 
 import torch
-from quantization import per_output_token, quantized_default  # bench/, beside this file
+from quantization import f32_scales, per_output_token, quantized_default  # bench/
 
 from engine.layers.gguf_quant import GGUF_PACKED_ENV, GGUFWeights
 from engine.llm import LLM
@@ -95,34 +101,10 @@ def profile(llm: LLM, ops, reps: int, rounds: int) -> list[tuple[str, float, flo
     cos_sin = model.rotary.cos_sin_cache(meta.max_seq_len, x.dtype)
     hidden = fused.step(x, positions, cos_sin, meta, caches)
     rows = [("step", median_s(lambda: fused.step(x, positions, cos_sin, meta, caches), reps), None)]
-    # the linears in layer order, each call timed alone
-    kinds = {k: [] for k in KINDS}
-    for layer in layers:
-        for kind in KINDS:
-            mod = getattr(layer.self_attn if kind in KINDS[:2] else layer.mlp, kind)
-            xin = torch.randn(1, mod.quant.in_features, dtype=x.dtype)
-            out = x.new_empty(1, mod.quant.out_features)
-            kinds[kind].append(linear_calls(mod.quant, xin, out))
-    p0 = layers[0].self_attn.qkv_proj.quant.parts[0]
-    empty = (x.new_empty(0, p0.out_features), x.new_empty(0, p0.in_features), p0.qs, p0.qh,
-             p0.scales, p0.mins, p0.bits, p0.zero, None)
-    call_cost = median_s(lambda: [ops.gguf_linear(*empty) for _ in range(100)], reps) / 100
-    spent = {k: [] for k in KINDS}
-    for _ in range(reps):
-        acc = dict.fromkeys(KINDS, 0.0)
-        for i in range(len(layers)):
-            for kind in KINDS:
-                for call in kinds[kind][i]:
-                    start = clock()
-                    ops.gguf_linear(*call)
-                    acc[kind] += clock() - start - call_cost
-        for kind in KINDS:
-            spent[kind].append(acc[kind])
+    kinds = layer_calls(layers, x.dtype)
+    spent = time_linears(ops, kinds, call_cost(ops, layers, reps), reps)
     for kind in KINDS:
-        mods = [getattr(lay.self_attn if kind in KINDS[:2] else lay.mlp, kind) for lay in layers]
-        q = mods[0].quant
-        name = f"{kind} {q.out_features}x{q.in_features} {'+'.join(q.qtypes())}"
-        rows.append((name, statistics.median(spent[kind]), sum(m.quant.num_bytes() for m in mods)))
+        rows.append((kind_name(layers, kind), spent[kind], kind_bytes(layers, kind)))
     attn = layers[0].self_attn.attn
     q = torch.randn(1, attn.num_heads, attn.head_dim, dtype=x.dtype)
     o = torch.empty_like(q)
@@ -152,6 +134,93 @@ def profile(llm: LLM, ops, reps: int, rounds: int) -> list[tuple[str, float, flo
     rows.append(("rest", token - rows[0][1] - sum(r[1] for r in rows[-2:]), None))
     rows.append(("per output token (measured)", token, None))
     return rows
+
+
+def _mod(layer, kind: str):
+    return getattr(layer.self_attn if kind in KINDS[:2] else layer.mlp, kind)
+
+
+def layer_calls(layers, dtype: torch.dtype) -> dict[str, list]:
+    """Per projection kind, the gguf_linear calls of every layer (M=1), in layer order."""
+    kinds = {k: [] for k in KINDS}
+    for layer in layers:
+        for kind in KINDS:
+            quant = _mod(layer, kind).quant
+            xin = torch.randn(1, quant.in_features, dtype=dtype)
+            out = xin.new_empty(1, quant.out_features)
+            kinds[kind].append(linear_calls(quant, xin, out))
+    return kinds
+
+
+def call_cost(ops, layers, reps: int) -> float:
+    """Seconds of a gguf_linear call that returns at once (M=0)."""
+    p0 = layers[0].self_attn.qkv_proj.quant.parts[0]
+    dtype = torch.bfloat16
+    empty = (torch.empty(0, p0.out_features, dtype=dtype),
+             torch.empty(0, p0.in_features, dtype=dtype), p0.qs, p0.qh, p0.scales, p0.mins,
+             p0.bits, p0.zero, None)
+    return median_s(lambda: [ops.gguf_linear(*empty) for _ in range(100)], reps) / 100
+
+
+def time_linears(ops, kinds: dict[str, list], cost: float, reps: int) -> dict[str, float]:
+    """Per kind, the median over reps of its calls' time summed over the layers (each call
+    timed alone, in layer order, minus cost)."""
+    spent = {k: [] for k in KINDS}
+    layers = len(kinds[KINDS[0]])
+    for _ in range(reps):
+        acc = dict.fromkeys(KINDS, 0.0)
+        for i in range(layers):
+            for kind in KINDS:
+                for call in kinds[kind][i]:
+                    start = clock()
+                    ops.gguf_linear(*call)
+                    acc[kind] += clock() - start - cost
+        for kind in KINDS:
+            spent[kind].append(acc[kind])
+    return {kind: statistics.median(spent[kind]) for kind in KINDS}
+
+
+def kind_name(layers, kind: str) -> str:
+    q = _mod(layers[0], kind).quant
+    return f"{kind} {q.out_features}x{q.in_features} {'+'.join(q.qtypes())}"
+
+
+def kind_bytes(layers, kind: str) -> int:
+    return sum(_mod(layer, kind).quant.num_bytes() for layer in layers)
+
+
+def scales_ab(qtype: str, ops, reps: int, rounds: int, kw: dict) -> None:
+    """The linears of qtype's model as served against float32 scales, interleaved."""
+    arms = {"served": LLM(str(quantized_default(qtype)), **kw)}
+    with f32_scales():
+        arms["f32 scales"] = LLM(str(quantized_default(qtype)), **kw)
+    layers = {name: llm.engine.runner.model.model.layers for name, llm in arms.items()}
+    calls = {name: layer_calls(lay, torch.bfloat16) for name, lay in layers.items()}
+    cost = call_cost(ops, layers["served"], reps)
+    times: dict[str, dict[str, list[float]]] = {n: {k: [] for k in KINDS} for n in arms}
+    for r in range(rounds):
+        for name in list(arms) if r % 2 == 0 else list(arms)[::-1]:
+            for kind, sec in time_linears(ops, calls[name], cost, reps).items():
+                times[name][kind].append(sec)
+    print(f"\n{qtype}: the linears per decode step (M=1, {len(layers['served'])} layers), "
+          f"median of {rounds} rounds")
+    served = layers["served"][0].self_attn.qkv_proj.quant.parts[0].scales.dtype
+    print(f"{'projection':34} {'served ms':>9} {'f32 ms':>7} {'ratio':>6} {'MiB':>6} "
+          f"{'f32 MiB':>7} {'GB/s':>5} {'f32':>5}  (served scales: {served})")
+    total = dict.fromkeys(arms, 0.0)
+    for kind in KINDS:
+        med = {n: statistics.median(times[n][kind]) for n in arms}
+        size = {n: kind_bytes(layers[n], kind) for n in arms}
+        for n in arms:
+            total[n] += med[n]
+        print(f"{kind_name(layers['served'], kind):34} {1e3 * med['served']:9.3f} "
+              f"{1e3 * med['f32 scales']:7.3f} {med['served'] / med['f32 scales']:6.3f} "
+              f"{size['served'] / 2**20:6.1f} {size['f32 scales'] / 2**20:7.1f} "
+              f"{size['served'] / med['served'] / 1e9:5.1f} "
+              f"{size['f32 scales'] / med['f32 scales'] / 1e9:5.1f}", flush=True)
+    print(f"{'all linears':34} {1e3 * total['served']:9.3f} {1e3 * total['f32 scales']:7.3f} "
+          f"{total['served'] / total['f32 scales']:6.3f}")
+    del arms
 
 
 def small_kernels(ops, llm, x, positions, cos_sin, meta, caches, reps: int) -> float:
@@ -203,6 +272,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="end-to-end rounds per type")
     p.add_argument("--clock", choices=CLOCKS, default="wall",
                    help="cpu: the thread's CPU time, robust to other load (OMP_NUM_THREADS=1)")
+    p.add_argument("--scales-ab", action="store_true",
+                   help="the linears as served against float32 scales, interleaved")
     args = p.parse_args()
     global clock
     clock = CLOCKS[args.clock]
@@ -213,6 +284,10 @@ def main() -> None:
     print(f"{threads} threads, {args.clock} clock, gguf kernel {ops.gguf_kernel()}")
     kw = dict(dtype="bfloat16", kv_cache_memory_bytes=64 << 20)
     os.environ[GGUF_PACKED_ENV] = "1"
+    if args.scales_ab:
+        for qtype in args.types.split(","):
+            scales_ab(qtype, ops, args.reps, args.rounds, kw)
+        return
     for qtype in args.types.split(","):
         llm = LLM(str(quantized_default(qtype)), **kw)
         rows = profile(llm, ops, args.reps, args.rounds)

@@ -16,7 +16,8 @@ c=1 decode ms/token of the default model in bf16 and re-quantized to Q8_0, Q4_0 
 (quantized_default: every decoder linear of that type, Q5_0 where a K type does not fit the
 576-wide rows as llama-quantize falls back, the tied lm_head in Q8_0) served packed through the
 fused decode step, interleaved in one run, with the weight MiB each holds; --layered adds the
-first type layer by layer (the step as it ran before the fused packed step).
+first type layer by layer (the step as it ran before the fused packed step); --f32-scales adds
+each type with float32 scales and mins (the packed layout before fp16 scales) as one more arm.
 
     python bench/quantization.py --gguf
 
@@ -325,7 +326,17 @@ def weight_mib(model) -> float:
     return (held_bytes(model) + head_bytes + table_bytes) / 2**20
 
 
-def gguf_decode(rounds: int, types: list[str], layered: bool) -> None:
+def f32_scales():
+    """A context in which GGUF weights are packed with float32 scales and mins for every type
+    (the layout before fp16 scales; the kernels read both), for an A/B in one process."""
+    from unittest import mock
+
+    from engine.layers.gguf_quant import QuantType
+
+    return mock.patch.object(QuantType, "scale_dtype", property(lambda self: torch.float32))
+
+
+def gguf_decode(rounds: int, types: list[str], layered: bool, f32: bool = False) -> None:
     """c=1 decode of the default model: bf16 against each type served packed, interleaved."""
     arms: dict[str, LLM] = {}
     # one 385-token sequence at a time: a small KV cache each, so that five arms fit
@@ -335,6 +346,9 @@ def gguf_decode(rounds: int, types: list[str], layered: bool) -> None:
     os.environ[GGUF_PACKED_ENV] = "1"  # the re-quantized folders are served packed
     for qtype in types:
         arms[qtype] = LLM(str(quantized_default(qtype)), **kw)
+        if f32:
+            with f32_scales():
+                arms[f"{qtype}-f32s"] = LLM(str(quantized_default(qtype)), **kw)
     if layered:
         arms[f"{types[0]}-layers"] = LLM(str(quantized_default(types[0])), **kw)
         arms[f"{types[0]}-layers"].engine.runner.fused_decode = None
@@ -380,12 +394,14 @@ def main() -> None:
     p.add_argument("--decode-types", default="Q8_0,Q4_0,Q4_K")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--gemv-reps", type=int, default=2000)
+    p.add_argument("--f32-scales", action="store_true",
+                   help="--gguf-decode: also each type with float32 scales (the layout before)")
     p.add_argument("--layered", action="store_true",
                    help="also bf16 (--gguf-decode: the first type) without the fused decode")
     args = p.parse_args()
     ops = load_cpu_ops()
     if args.gguf_decode:
-        gguf_decode(args.rounds, args.decode_types.split(","), args.layered)
+        gguf_decode(args.rounds, args.decode_types.split(","), args.layered, args.f32_scales)
         return
     if args.gguf:
         gguf_linears(ops, args.gguf_types.split(","))

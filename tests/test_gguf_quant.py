@@ -79,6 +79,45 @@ def test_repacked_layout_dequantizes_exactly_like_gguf_py(qtype):
     assert np.array_equal(p.dequantize_rows(ids, torch.float32).numpy(), want[ids.numpy()])
 
 
+# Bits held per weight: u, then the scales (and mins) widths over the weights each covers
+HELD_BITS = {"Q8_0": 8 + 16 / 32, "Q4_0": 4 + 16 / 32, "Q4_1": 4 + 32 / 32, "Q5_0": 5 + 16 / 32,
+             "Q5_1": 5 + 32 / 32, "Q4_K": 4 + 64 / 32, "Q5_K": 5 + 64 / 32, "Q6_K": 6 + 32 / 16}
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_scales_fp16_where_exact_and_the_bytes_held(qtype, ops):
+    """The 32-weight types hold fp16 scales and mins (the file's own d and m: as many bytes as
+    the file, Q4_0 4.5 bits per weight), the K types float32; channels pad to 16. Every reader
+    of the layout gives gguf-py's bits: the torch dequantization and row gather, gguf_dequantize
+    (portable reads), and gguf_gemm's bf16 tiles (vcvtph2ps reads) picked out by one-hot rows."""
+    t = GGUF_TYPES[qtype]
+    n, k = 37, 2 * t.block
+    p, want = packed(qtype, n, k, seed=5)
+    dtype = torch.float16 if t.block == 32 else torch.float32
+    assert p.scales.dtype == dtype and (p.mins is None or p.mins.dtype == dtype)
+    assert 8 * p.num_bytes() == HELD_BITS[qtype] * 48 * k  # 37 channels padded to 48
+    if t.block == 32:
+        assert p.num_bytes() == 48 * (k // 32) * t.nbytes  # the file's bytes per block
+    assert np.array_equal(p.dequantize().numpy(), want)
+    ids = torch.tensor([36, 0, 17])
+    assert np.array_equal(p.dequantize_rows(ids, torch.float32).numpy(), want[ids.numpy()])
+    out = torch.empty(n, k)
+    ops.gguf_dequantize(out, p.qs, p.qh, p.scales, p.mins, p.bits, p.zero)
+    assert np.array_equal(out.numpy(), want)
+    if gemm_available(ops):  # out[r, c] = 1 * W[c, r], summed with zeros: bf16(W) exactly
+        got = torch.full((k, n), float("nan"))
+        ops.gguf_gemm(got, torch.eye(k), p.qs, p.qh, p.scales, p.mins, p.bits, p.zero, None)
+        bf16 = torch.from_numpy(want).to(torch.bfloat16).float()
+        assert torch.equal(got.T, bf16)
+
+
+def test_scales_not_exact_in_fp16_are_refused():
+    u = np.zeros((16, 32), np.uint8)
+    scales = np.full((16, 1), 1.0 + 2.0**-12, np.float32)  # 13 significant bits
+    with pytest.raises(ValueError, match="not exact in torch.float16"):
+        PackedQuant("Q4_0", u, scales, None)
+
+
 def _error_bound(x: torch.Tensor, w: np.ndarray) -> np.ndarray:
     """What quantizing x per 32-block to int8 may cost, per output: half a step (max|x_b| / 254)
     per element times |w|, summed; plus float32 rounding of the sums."""
@@ -174,6 +213,13 @@ def test_kernel_refuses_mismatched_shapes(ops):
     with pytest.raises(RuntimeError, match="qh is needed"):
         ops.gguf_linear(torch.empty(1, 16), torch.randn(1, 64), p.qs, p.qs, p.scales, p.mins,
                         p.bits, p.zero, None)
+    with pytest.raises(RuntimeError, match="float16 or float32"):
+        ops.gguf_linear(torch.empty(1, 16), torch.randn(1, 64), p.qs, p.qh, p.scales.double(),
+                        p.mins, p.bits, p.zero, None)
+    q41, _ = packed("Q4_1", 16, 64)
+    with pytest.raises(RuntimeError, match="of the scales' dtype"):
+        ops.gguf_linear(torch.empty(1, 16), torch.randn(1, 64), q41.qs, q41.qh, q41.scales,
+                        q41.mins.float(), q41.bits, q41.zero, None)
 
 
 # ---- gguf_gemm: many rows, weight tiles dequantized to bf16 on AMX ------------------------------

@@ -6,13 +6,16 @@ whose GGUF tensors are of a type in GGUF_TYPES bind to GGUFWeights and drop thei
 a tied lm_head's embedding then gathers its rows from the same packed tensor (GGUFEmbedding).
 
 Every type is re-packed once into one layout (kernels/csrc/gguf_quant.cpp has the byte map):
-unsigned quants u of `bits` bits, float32 scales per `sub` weights and, for the types with a
-min, float32 mins per 32:
+unsigned quants u of `bits` bits, scales per `sub` weights and, for the types with a min, mins
+per 32:
 
     W[n, k] = s[n, k // sub] * (u[n, k] - zero)      Q8_0 (zero 128), Q4_0 (8), Q5_0 (16), Q6_K (32)
     W[n, k] = s[n, k // sub] * u[n, k] + m[n, k // 32]                    Q4_1, Q5_1, Q4_K, Q5_K
 
-which is gguf-py's dequantization exactly (the same float32 products). On CPU the C++ kernel
+s and m are fp16 for the 32-weight types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: the file's own fp16 d
+and m, so nothing is lost, and Q4_0 holds 18 bytes per 32 weights as the file does) and float32
+for the K types (d * sc and dmin * m are not fp16-exact). W is gguf-py's dequantization exactly
+(the same float32 products, the fp16 values widened exactly). On CPU the C++ kernel
 multiplies it without unpacking to memory: activations quantized per 32-block to int8, integer
 dots (AVX-512 VNNI or a portable loop), one float multiply-add per block. Calls of at least
 GEMM_MIN_ROWS rows (prefill chunks, batched decode) go where the CPU has AMX to gguf_gemm
@@ -57,6 +60,12 @@ class QuantType:
     bits: int  # bits of u in the re-packed layout
     zero: int | None  # u - zero is the signed quant; None: the type has a min instead
     sub: int = 32  # weights per scale
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """fp16 where s and m are the file's fp16 d and m themselves (exact); float32 for the
+        K types, whose d * sc products need up to 17 significant bits."""
+        return torch.float16 if self.block == BLOCK else torch.float32
 
 
 GGUF_TYPES = {
@@ -186,8 +195,8 @@ class PackedQuant(nn.Module):
             two = (ug >> 4) & 3
             vecs = [sum(two[:, :, 4 * h + s] << (2 * s) for s in range(4)) for h in range(2)]
             self.qh = torch.stack(vecs, dim=2).to(torch.uint8).contiguous()
-        self.scales = _group_rows(scales, g)
-        self.mins = None if mins is None else _group_rows(mins, g)
+        self.scales = _group_rows(scales, g, t.scale_dtype)
+        self.mins = None if mins is None else _group_rows(mins, g, t.scale_dtype)
 
     def quants(self) -> torch.Tensor:
         """u [N, K] uint8, unpacked again (the torch path)."""
@@ -218,6 +227,8 @@ class PackedQuant(nn.Module):
     def _combine(self, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
         n, k = u.shape
         u = u.float().reshape(n, k // self.sub, self.sub)
+        s = s.float()  # fp16 scales widen exactly
+        m = None if m is None else m.float()
         if m is None:
             return (s[..., None] * (u - self.zero)).reshape(n, k)
         return ((s[..., None] * u).reshape(n, k // BLOCK, BLOCK) + m[..., None]).reshape(n, k)
@@ -265,11 +276,16 @@ def _decode(qs: torch.Tensor, qh: torch.Tensor | None, bits: int) -> torch.Tenso
     return u
 
 
-def _group_rows(a: np.ndarray, groups: int) -> torch.Tensor:
-    """[N, S] -> [G, S, 16] float32, channels padded with zeros to 16 per group."""
+def _group_rows(a: np.ndarray, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """[N, S] float32 -> [G, S, 16] of dtype, channels padded with zeros to 16 per group.
+    Refuses values dtype does not hold exactly (the served bits must stay gguf-py's)."""
     n, s = a.shape
     a = np.pad(a.astype(np.float32), ((0, groups * LANES - n), (0, 0)))
-    return torch.from_numpy(a).view(groups, LANES, s).permute(0, 2, 1).contiguous()
+    t = torch.from_numpy(a).view(groups, LANES, s).permute(0, 2, 1).contiguous()
+    held = t.to(dtype)
+    if not torch.equal(torch.nan_to_num(held.float()), torch.nan_to_num(t)):
+        raise ValueError(f"GGUF scales are not exact in {dtype}")
+    return held
 
 
 def _ungroup_rows(t: torch.Tensor, n: int) -> torch.Tensor:

@@ -19,7 +19,8 @@
 // GGUFWeights calls it, with x quantized once). The layout per
 // layer is the one above with each linear a run of tensors that `spec` (int64, read in order,
 // one entry list per linear) describes: [0] one AMX-packed tensor follows; [P, then per part
-// n, bits, zero, has_qh, has_mins] the tensors qs, (qh), scales, (mins) of each part follow.
+// n, bits, zero, has_qh, has_mins] the tensors qs, (qh), scales, (mins) of each part follow
+// (scales and mins fp16 or float32, as gguf_linear_parts reads them).
 // embeds is the residual stream and is overwritten; returns the final norm's output.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>

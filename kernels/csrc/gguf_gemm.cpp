@@ -39,10 +39,11 @@ constexpr int64_t kPassBytes = 1024 * 1024;    // bf16 x per row pass (kept in L
 struct Packed {
   const uint8_t* qs;
   const uint8_t* qh;  // nullptr for 4 and 8 bits
-  const float* scales;
-  const float* mins;  // nullptr for the types without a min
+  const void* scales;  // fp16 (half: the 32-weight types) or float32 (the K types)
+  const void* mins;    // the scales' dtype; nullptr for the types without a min
   int64_t n, k, groups, blocks, nq, nh, subs;
   int bits, zero;
+  bool half;
 };
 
 // Channel group g as K/32 bf16 B tiles, tile b at dst + b * step: row r holds
@@ -52,14 +53,14 @@ struct Packed {
 // permute interleaves them into a tile row.
 // The float32 values are the oracle's bits: s * u is exact (s has at most 18 significant bits,
 // u at most 6) and s * zero too (zero is a power of two), so one fma rounds s * (u - zero), or
-// s * u + m, once, as the oracle's s * (u - zero) and (s * u) + m do.
-template <int Bits, bool Mins, int PerBlock>
+// s * u + m, once, as the oracle's s * (u - zero) and (s * u) + m do. fp16 scales and mins are
+// widened (exactly) once per block.
+template <int Bits, bool Mins, int PerBlock, bool Half>
 void dequantize_tiles(const Packed& w, int64_t g, c10::BFloat16* dst, int64_t step) {
   constexpr int kPerSub = 8 / PerBlock;  // vectors per scale
   const uint8_t* qs_g = w.qs + g * w.blocks * w.nq * 64;
   const uint8_t* qh_g = w.qh != nullptr ? w.qh + g * w.blocks * w.nh * 64 : nullptr;
-  const float* sc_g = w.scales + g * w.subs * kLanes;
-  const float* mn_g = Mins ? w.mins + g * w.blocks * kLanes : nullptr;
+  const int64_t sc_g = g * w.subs * kLanes, mn_g = g * w.blocks * kLanes;  // elements
   alignas(64) int16_t zip[32];  // words i: channel i / 2 of the first (i even) or second vector
   for (int i = 0; i < 32; ++i) zip[i] = static_cast<int16_t>((i % 2) * 16 + i / 2);
   const __m512i interleave = _mm512_load_si512(zip);
@@ -71,8 +72,9 @@ void dequantize_tiles(const Packed& w, int64_t g, c10::BFloat16* dst, int64_t st
                        wv);
     c10::BFloat16* tile = dst + b * step;
     for (int s = 0; s < PerBlock; ++s) {
-      const __m512 sc = _mm512_loadu_ps(sc_g + (b * PerBlock + s) * kLanes);
-      const __m512 add = Mins ? _mm512_loadu_ps(mn_g + b * kLanes) : _mm512_mul_ps(sc, neg_zero);
+      const __m512 sc = gguf_load_scales<Half>(w.scales, sc_g + (b * PerBlock + s) * kLanes);
+      const __m512 add = Mins ? gguf_load_scales<Half>(w.mins, mn_g + b * kLanes)
+                              : _mm512_mul_ps(sc, neg_zero);
       for (int v = s * kPerSub; v < (s + 1) * kPerSub; ++v) {
         const __m512i q = wv[v];
         const __m512i u[4] = {_mm512_and_si512(q, byte),
@@ -92,18 +94,27 @@ void dequantize_tiles(const Packed& w, int64_t g, c10::BFloat16* dst, int64_t st
 
 using DequantFn = void (*)(const Packed&, int64_t, c10::BFloat16*, int64_t);
 
-DequantFn dequant_for(const Packed& w) {
+template <bool Half>
+DequantFn dequant_for_width(const Packed& w) {
   const bool mins = w.mins != nullptr;
   const int64_t per_block = w.subs / w.blocks;
-  if (per_block == 2) return w.bits == 6 && !mins ? &dequantize_tiles<6, false, 2> : nullptr;
+  if (per_block == 2)
+    return w.bits == 6 && !mins ? &dequantize_tiles<6, false, 2, Half> : nullptr;
   if (per_block != 1) return nullptr;
   switch (w.bits) {
-    case 8: return mins ? nullptr : &dequantize_tiles<8, false, 1>;
-    case 4: return mins ? &dequantize_tiles<4, true, 1> : &dequantize_tiles<4, false, 1>;
-    case 5: return mins ? &dequantize_tiles<5, true, 1> : &dequantize_tiles<5, false, 1>;
-    case 6: return mins ? &dequantize_tiles<6, true, 1> : &dequantize_tiles<6, false, 1>;
+    case 8: return mins ? nullptr : &dequantize_tiles<8, false, 1, Half>;
+    case 4:
+      return mins ? &dequantize_tiles<4, true, 1, Half> : &dequantize_tiles<4, false, 1, Half>;
+    case 5:
+      return mins ? &dequantize_tiles<5, true, 1, Half> : &dequantize_tiles<5, false, 1, Half>;
+    case 6:
+      return mins ? &dequantize_tiles<6, true, 1, Half> : &dequantize_tiles<6, false, 1, Half>;
     default: return nullptr;
   }
+}
+
+DequantFn dequant_for(const Packed& w) {
+  return w.half ? dequant_for_width<true>(w) : dequant_for_width<false>(w);
 }
 
 Packed check_packed(const at::Tensor& qs, const std::optional<at::Tensor>& qh,
@@ -122,20 +133,21 @@ Packed check_packed(const at::Tensor& qs, const std::optional<at::Tensor>& qh,
     TORCH_CHECK(qh->scalar_type() == at::kByte && qh->is_contiguous() &&
                     qh->sizes() == at::IntArrayRef({groups, blocks, nh, 64}),
                 "gguf_gemm: qh must be contiguous uint8 [G, B, ", nh, ", 64]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == groups && scales.size(2) == kLanes &&
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK((half || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
+                  scales.dim() == 3 && scales.size(0) == groups && scales.size(2) == kLanes &&
                   (scales.size(1) == blocks || scales.size(1) == 2 * blocks),
-              "gguf_gemm: scales must be contiguous float32 [G, B or 2B, 16]");
+              "gguf_gemm: scales must be contiguous float16 or float32 [G, B or 2B, 16]");
   if (mins.has_value())
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() &&
+    TORCH_CHECK(mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
                     mins->sizes() == at::IntArrayRef({groups, blocks, kLanes}),
-                "gguf_gemm: mins must be contiguous float32 [G, B, 16]");
+                "gguf_gemm: mins must be contiguous [G, B, 16] of the scales' dtype");
   return Packed{qs.data_ptr<uint8_t>(),
                 nh > 0 ? qh->data_ptr<uint8_t>() : nullptr,
-                scales.data_ptr<float>(),
-                mins.has_value() ? mins->data_ptr<float>() : nullptr,
+                scales.data_ptr(),
+                mins.has_value() ? mins->data_ptr() : nullptr,
                 n, blocks * kBlock, groups, blocks, qs.size(2), nh, scales.size(1),
-                static_cast<int>(bits), static_cast<int>(zero)};
+                static_cast<int>(bits), static_cast<int>(zero), half};
 }
 
 // x [M, K] -> bf16 [m_pad, K], the pad rows zero (float32 rounds to nearest even).

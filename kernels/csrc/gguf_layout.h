@@ -1,6 +1,7 @@
 // The byte map of the packed GGUF layout (described at the top of gguf_quant.cpp, built by
 // engine/layers/gguf_quant.py PackedQuant): the quants of one block as 8 vectors, for the
-// kernels that read it (gguf_quant.cpp's VNNI rows, gguf_gemm.cpp's tile dequantization).
+// kernels that read it (gguf_quant.cpp's VNNI rows, gguf_gemm.cpp's tile dequantization), and
+// its scales in either width.
 #pragma once
 
 #include "common.h"
@@ -22,6 +23,17 @@ PAGEDSERVE_INLINE __m512i gguf_high_bits(const uint8_t* qh, int v) {
         shift <= 4 ? _mm512_slli_epi16(h, 4 - shift) : _mm512_srli_epi16(h, shift - 4);
     return _mm512_and_si512(bits, _mm512_set1_epi8(0x30));
   }
+}
+
+// The 16 channels' scales (or mins) at element i of a [.., 16] array: fp16 (Half, the 32-weight
+// types) widened exactly by one vcvtph2ps, or float32 (the K types).
+template <bool Half>
+PAGEDSERVE_INLINE __m512 gguf_load_scales(const void* base, int64_t i) {
+  if constexpr (Half)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i)));
+  else
+    return _mm512_loadu_ps(static_cast<const float*>(base) + i);
 }
 
 // The 8 quant vectors of one block (16 channels x 32 k), each byte an unsigned quant.

@@ -2,7 +2,7 @@
 // set_gguf_portable. out[M, N] = x[M, K] @ W[N, K]^T where W stays in its quantized form.
 //
 // engine/layers/gguf_quant.py re-packs every GGUF type at load into one layout of unsigned
-// quants u (bits = 4, 5, 6 or 8 per weight) with float32 scales, so one kernel serves them all:
+// quants u (bits = 4, 5, 6 or 8 per weight) with scales, so one kernel serves them all:
 //   W[n, k] = s[n, k / sub] * (u[n, k] - zero)           (Q8_0 128, Q4_0 8, Q5_0 16, Q6_K 32)
 //   W[n, k] = s[n, k / sub] * u[n, k] + m[n, k / 32]     (the types with a min: Q4_1, Q5_1, Q4_K)
 // sub = 32 (16 for Q6_K, whose scales cover 16 weights). Channels go in groups of 16 and k in
@@ -12,7 +12,11 @@
 //                          nibble of vector v is k 4v.., the high nibble k 4(v+4)..
 //   qh [G, B, 1 or 2, 64]  5 bits: bit v of a byte is bit 4 of vector v's quant;
 //                          6 bits: bits 2t, 2t+1 of vector h are bits 4-5 of vector 4h + t's
-//   scales [G, B * 32 / sub, 16], mins [G, B, 16] (float32)
+//   scales [G, B * 32 / sub, 16], mins [G, B, 16]: fp16 for the 32-weight types (Q8_0, Q4_0,
+//                          Q4_1, Q5_0, Q5_1: the file's own fp16 d and m, so Q4_0 is 18 bytes
+//                          per 32 weights as in the file), float32 for the K types (d * sc is
+//                          not fp16-exact); mins have the scales' dtype. Read widened to
+//                          float32, which is exact.
 // x is quantized here per 32-block as llama.cpp's Q8_0 activations are: d = max|x| / 127,
 // q = round-half-even(x / d). The integer dot of u and q over a (sub-)block is exact; with
 // xsum = sum q it gives sum_k W x = d * (s * dot + (m or -zero * s) * xsum). Each output is
@@ -145,15 +149,22 @@ ActRows act_rows(const ActQuant& a, int64_t sub, float cfac) {
 struct Weights {
   const uint8_t* qs;
   const uint8_t* qh;  // nullptr for 4 and 8 bits
-  const float* scales;
-  const float* mins;  // nullptr for the types without a min
+  const void* scales;  // at::Half (half) or float
+  const void* mins;    // the scales' dtype; nullptr for the types without a min
   int64_t n, k, blocks, nq, nh, sub;
   int bits;
   float zero;
+  bool half;
   int64_t group_qs() const { return blocks * nq * 64; }
   int64_t group_qh() const { return blocks * nh * 64; }
   int64_t subs() const { return k / sub; }
 };
+
+// Element i of scales or mins, as float32 (an fp16 one widens exactly).
+PAGEDSERVE_INLINE float scale_at(const void* p, bool half, int64_t i) {
+  return half ? static_cast<float>(static_cast<const at::Half*>(p)[i])
+              : static_cast<const float*>(p)[i];
+}
 
 // The unsigned quant of byte i (channel i / 4, k 4v + i % 4 of the block) of vector v.
 PAGEDSERVE_INLINE int32_t quant_at(const Weights& w, const uint8_t* qs, const uint8_t* qh, int v,
@@ -190,7 +201,7 @@ void portable_group(const Weights& w, const ActRows& a, int64_t g, int64_t m0, i
       const uint8_t* qh = qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr;
       for (int64_t s = 0; s < per_block; ++s) {
         const int64_t j = b * per_block + s;
-        const float* sc = w.scales + (g * w.subs() + j) * kLanes;
+        const int64_t sc = (g * w.subs() + j) * kLanes;
         for (int64_t l = 0; l < kLanes; ++l) {
           int32_t dot = 0;
           for (int64_t v = s * groups_per_sub; v < (s + 1) * groups_per_sub; ++v)
@@ -198,11 +209,12 @@ void portable_group(const Weights& w, const ActRows& a, int64_t g, int64_t m0, i
               dot += quant_at(w, qs, qh, static_cast<int>(v), static_cast<int>(l * 4 + i)) *
                      xq[b * kBlock + v * 4 + i];
           const float xd = a.xd[m * a.subs + j], xc = a.xc[m * a.subs + j];
+          const float s_l = scale_at(w.scales, w.half, sc + l);
           if (w.mins != nullptr)
-            acc[l] += sc[l] * (static_cast<float>(dot) * xd) +
-                      w.mins[(g * w.blocks + b) * kLanes + l] * xc;
+            acc[l] += s_l * (static_cast<float>(dot) * xd) +
+                      scale_at(w.mins, w.half, (g * w.blocks + b) * kLanes + l) * xc;
           else
-            acc[l] += sc[l] * (static_cast<float>(dot) * xd + xc);
+            acc[l] += s_l * (static_cast<float>(dot) * xd + xc);
         }
       }
     }
@@ -224,7 +236,7 @@ constexpr int64_t kPrefetchBlocks = 4;
 
 // Into L1: the cache lines of block b of group g (past the group's last block: the next group's
 // first, which follow in memory; a prefetch past the tensor's end does not fault).
-template <int Bits, bool Mins, int PerBlock>
+template <int Bits, bool Mins, int PerBlock, bool Half>
 PAGEDSERVE_INLINE void prefetch_block(const Weights& w, int64_t g, int64_t b) {
   constexpr int kNq = Bits == 8 ? 8 : 4, kNh = Bits == 5 ? 1 : Bits == 6 ? 2 : 0;
   const char* qs = reinterpret_cast<const char*>(w.qs + (g * w.blocks + b) * kNq * 64);
@@ -233,32 +245,35 @@ PAGEDSERVE_INLINE void prefetch_block(const Weights& w, int64_t g, int64_t b) {
     const char* qh = reinterpret_cast<const char*>(w.qh + (g * w.blocks + b) * kNh * 64);
     for (int c = 0; c < kNh; ++c) _mm_prefetch(qh + 64 * c, _MM_HINT_T0);
   }
+  constexpr int kSize = Half ? 2 : 4;  // bytes per scale
   const char* sc =
-      reinterpret_cast<const char*>(w.scales + (g * w.blocks + b) * PerBlock * kLanes);
-  for (int c = 0; c < PerBlock; ++c) _mm_prefetch(sc + 64 * c, _MM_HINT_T0);
+      static_cast<const char*>(w.scales) + (g * w.blocks + b) * PerBlock * kLanes * kSize;
+  for (int c = 0; c < PerBlock * kLanes * kSize; c += 64) _mm_prefetch(sc + c, _MM_HINT_T0);
   if constexpr (Mins)
-    _mm_prefetch(reinterpret_cast<const char*>(w.mins + (g * w.blocks + b) * kLanes), _MM_HINT_T0);
+    _mm_prefetch(static_cast<const char*>(w.mins) + (g * w.blocks + b) * kLanes * kSize,
+                 _MM_HINT_T0);
 }
 
 // R rows (R <= kRows) of one channel group: each block is decoded once for all R rows.
-template <int R, int Bits, bool Mins, int PerBlock, typename T>
+template <int R, int Bits, bool Mins, int PerBlock, bool Half, typename T>
 PAGEDSERVE_INLINE void vnni_rows(const Weights& w, const ActRows& a, int64_t g, int64_t m0,
                                  const T* bias, T* out, int64_t ldo) {
   constexpr int kPerSub = 8 / PerBlock;  // vectors per scale
   const uint8_t* qs_g = w.qs + g * w.group_qs();
   const uint8_t* qh_g = w.qh != nullptr ? w.qh + g * w.group_qh() : nullptr;
-  const float* sc_g = w.scales + g * w.subs() * kLanes;
-  const float* mn_g = Mins ? w.mins + g * w.blocks * kLanes : nullptr;
+  const int64_t sc_g = g * w.subs() * kLanes, mn_g = g * w.blocks * kLanes;  // elements
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.blocks; ++b) {
-    prefetch_block<Bits, Mins, PerBlock>(w, g, b + kPrefetchBlocks);
+    prefetch_block<Bits, Mins, PerBlock, Half>(w, g, b + kPrefetchBlocks);
     __m512i wv[8];
     gguf_decode_block<Bits>(qs_g + b * w.nq * 64, qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr,
                        wv);
+    // once per block, for every row: the mins, and (per sub-block) the scales, widened
+    const __m512 mn = Mins ? gguf_load_scales<Half>(w.mins, mn_g + b * kLanes) : __m512{};
     for (int s = 0; s < PerBlock; ++s) {
       const int64_t j = b * PerBlock + s;
-      const __m512 sc = _mm512_loadu_ps(sc_g + j * kLanes);
+      const __m512 sc = gguf_load_scales<Half>(w.scales, sc_g + j * kLanes);
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = a.q + (m0 + r) * a.k + b * kBlock;
         // two dependency chains of vpdpbusd (its latency, not its throughput, bounds one);
@@ -277,7 +292,7 @@ PAGEDSERVE_INLINE void vnni_rows(const Weights& w, const ActRows& a, int64_t g, 
         const __m512 dx = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), xd);
         if constexpr (Mins) {
           acc[r] = _mm512_fmadd_ps(sc, dx, acc[r]);
-          acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(mn_g + b * kLanes), xc, acc[r]);
+          acc[r] = _mm512_fmadd_ps(mn, xc, acc[r]);
         } else {
           acc[r] = _mm512_fmadd_ps(sc, _mm512_add_ps(dx, xc), acc[r]);
         }
@@ -292,31 +307,43 @@ PAGEDSERVE_INLINE void vnni_rows(const Weights& w, const ActRows& a, int64_t g, 
   }
 }
 
-template <int Bits, bool Mins, int PerBlock, typename T>
+template <int Bits, bool Mins, int PerBlock, bool Half, typename T>
 void vnni_group(const Weights& w, const ActRows& a, int64_t g, int64_t m0, int64_t m1,
                 const T* bias, T* out, int64_t ldo) {
   int64_t m = m0;
-  for (; m + kRows <= m1; m += kRows) vnni_rows<kRows, Bits, Mins, PerBlock>(w, a, g, m, bias, out, ldo);
+  for (; m + kRows <= m1; m += kRows)
+    vnni_rows<kRows, Bits, Mins, PerBlock, Half>(w, a, g, m, bias, out, ldo);
   switch (m1 - m) {
-    case 3: vnni_rows<3, Bits, Mins, PerBlock>(w, a, g, m, bias, out, ldo); break;
-    case 2: vnni_rows<2, Bits, Mins, PerBlock>(w, a, g, m, bias, out, ldo); break;
-    case 1: vnni_rows<1, Bits, Mins, PerBlock>(w, a, g, m, bias, out, ldo); break;
+    case 3: vnni_rows<3, Bits, Mins, PerBlock, Half>(w, a, g, m, bias, out, ldo); break;
+    case 2: vnni_rows<2, Bits, Mins, PerBlock, Half>(w, a, g, m, bias, out, ldo); break;
+    case 1: vnni_rows<1, Bits, Mins, PerBlock, Half>(w, a, g, m, bias, out, ldo); break;
     default: break;
   }
 }
 
-// The template for this weight format; nullptr for a combination no GGUF type has.
+// The template for this weight format; nullptr for a combination no GGUF type has (the
+// portable loop runs it). fp16 scales: the 32-weight types; float32: any (the K types, and
+// the layout before fp16 scales, which bench/quantization.py --f32-scales measures against).
 template <typename T>
 GroupFn<T> vnni_for(const Weights& w) {
   const bool mins = w.mins != nullptr;
   const int per_block = static_cast<int>(kBlock / w.sub);
-  if (per_block == 2) return w.bits == 6 && !mins ? &vnni_group<6, false, 2, T> : nullptr;
+  if (per_block == 2)
+    return w.bits == 6 && !mins && !w.half ? &vnni_group<6, false, 2, false, T> : nullptr;
   if (per_block != 1) return nullptr;
+  if (w.half) {
+    switch (w.bits) {
+      case 8: return mins ? nullptr : &vnni_group<8, false, 1, true, T>;
+      case 4: return mins ? &vnni_group<4, true, 1, true, T> : &vnni_group<4, false, 1, true, T>;
+      case 5: return mins ? &vnni_group<5, true, 1, true, T> : &vnni_group<5, false, 1, true, T>;
+      default: return nullptr;
+    }
+  }
   switch (w.bits) {
-    case 8: return mins ? nullptr : &vnni_group<8, false, 1, T>;
-    case 4: return mins ? &vnni_group<4, true, 1, T> : &vnni_group<4, false, 1, T>;
-    case 5: return mins ? &vnni_group<5, true, 1, T> : &vnni_group<5, false, 1, T>;
-    case 6: return mins ? &vnni_group<6, true, 1, T> : &vnni_group<6, false, 1, T>;
+    case 8: return mins ? nullptr : &vnni_group<8, false, 1, false, T>;
+    case 4: return mins ? &vnni_group<4, true, 1, false, T> : &vnni_group<4, false, 1, false, T>;
+    case 5: return mins ? &vnni_group<5, true, 1, false, T> : &vnni_group<5, false, 1, false, T>;
+    case 6: return mins ? &vnni_group<6, true, 1, false, T> : &vnni_group<6, false, 1, false, T>;
     default: return nullptr;
   }
 }
@@ -390,21 +417,23 @@ Weights check_weights(const at::Tensor& qs, const std::optional<at::Tensor>& qh,
                     qh->size(0) == groups && qh->size(1) == blocks && qh->size(2) == nh &&
                     qh->size(3) == 64,
                 op, ": qh must be contiguous uint8 [G, B, ", nh, ", 64]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == groups && scales.size(2) == kLanes,
-              op, ": scales must be contiguous float32 [G, S, 16]");
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK((half || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
+                  scales.dim() == 3 && scales.size(0) == groups && scales.size(2) == kLanes,
+              op, ": scales must be contiguous float16 or float32 [G, S, 16]");
   const int64_t k = blocks * kBlock;
   TORCH_CHECK(scales.size(1) == blocks || scales.size(1) == 2 * blocks, op,
               ": scales must cover 32 or 16 k each");
   const int64_t sub = k / scales.size(1);
   if (mins.has_value())
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->dim() == 3 &&
-                    mins->size(0) == groups && mins->size(1) == blocks && mins->size(2) == kLanes,
-                op, ": mins must be contiguous float32 [G, B, 16]");
+    TORCH_CHECK(mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() &&
+                    mins->dim() == 3 && mins->size(0) == groups && mins->size(1) == blocks &&
+                    mins->size(2) == kLanes,
+                op, ": mins must be contiguous [G, B, 16] of the scales' dtype");
   const uint8_t* qh_ptr = nh > 0 ? qh->data_ptr<uint8_t>() : nullptr;
-  const float* mins_ptr = mins.has_value() ? mins->data_ptr<float>() : nullptr;
-  return Weights{qs.data_ptr<uint8_t>(), qh_ptr, scales.data_ptr<float>(), mins_ptr, n, k,
-                 blocks, qs.size(2), nh, sub, static_cast<int>(bits), static_cast<float>(zero)};
+  const void* mins_ptr = mins.has_value() ? mins->data_ptr() : nullptr;
+  return Weights{qs.data_ptr<uint8_t>(), qh_ptr, scales.data_ptr(), mins_ptr, n, k, blocks,
+                 qs.size(2), nh, sub, static_cast<int>(bits), static_cast<float>(zero), half};
 }
 
 // The 8 quant vectors of one block as bytes: tmp[v * 64 + l * 4 + i].
@@ -436,9 +465,11 @@ void dequantize_group(const Weights& w, int64_t g, T* out, int64_t ldo) {
     decode_bytes(w, qs_g + b * w.nq * 64, qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr, tmp);
     for (int64_t l = 0; l < lanes; ++l) {
       T* row = out + (n0 + l) * ldo + b * kBlock;
-      const float m = w.mins != nullptr ? w.mins[(g * w.blocks + b) * kLanes + l] : 0.0f;
+      const float m =
+          w.mins != nullptr ? scale_at(w.mins, w.half, (g * w.blocks + b) * kLanes + l) : 0.0f;
       for (int64_t kk = 0; kk < kBlock; ++kk) {
-        const float s = w.scales[(g * w.subs() + b * per_block + kk / w.sub) * kLanes + l];
+        const float s =
+            scale_at(w.scales, w.half, (g * w.subs() + b * per_block + kk / w.sub) * kLanes + l);
         const float u = static_cast<float>(tmp[(kk / 4) * 64 + l * 4 + kk % 4]);
         // the torch reference's (and gguf-py's) rounding: s * u + m, or s * (u - zero)
         row[kk] = from_f<T>(w.mins != nullptr ? s * u + m : s * (u - w.zero));
