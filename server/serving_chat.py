@@ -258,10 +258,12 @@ async def _stream(
     created = int(time.time())  # one id and one created per stream
     head = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[])
 
+    fields = head.model_dump(exclude={"choices", "usage"})  # id, object, created, model
+
     def chunk(choices_, usage=None) -> str:
-        data = head.model_copy(update={"choices": choices_, "usage": usage}).model_dump()
-        if not include_usage:
-            data.pop("usage")
+        data = {**fields, "choices": [c.model_dump() for c in choices_]}
+        if include_usage:
+            data["usage"] = usage.model_dump() if usage is not None else None
         return sse(json.dumps(data, ensure_ascii=False))
 
     states = [ChoiceState() for _ in choices]

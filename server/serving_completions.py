@@ -161,10 +161,20 @@ def _combine(index: int, deltas: list[CompletionChoice]) -> CompletionChoice:
     )
 
 
+def chunk_envelope(head: CompletionResponse) -> tuple[str, str]:
+    """The JSON around the choice of a one-choice chunk of `head` (choices=[]): before +
+    choice.model_dump_json() + after is head.model_copy(update={"choices": [choice]})
+    .model_dump_json(), with the head rendered once per stream instead of once per token."""
+    envelope = head.model_dump_json()
+    cut = envelope.rindex('"choices":[]') + len('"choices":[')
+    return envelope[:cut], envelope[cut:]
+
+
 async def _stream(
     ctx, request_id, prompts, choices, formatters, include_usage: bool
 ) -> AsyncIterator[str]:
     head = CompletionResponse(id=request_id, model=ctx.model_name, choices=[])
+    before, after = chunk_envelope(head)
     states = [ChoiceState() for _ in choices]
     try:
         async for batch in merge_outputs(ctx, choices):
@@ -172,8 +182,7 @@ async def _stream(
                 states[index].add(out)
                 d = formatters[index].delta(out)
                 if d is not None:
-                    chunk = head.model_copy(update={"choices": [d]})
-                    yield sse(chunk.model_dump_json())
+                    yield sse(before + d.model_dump_json() + after)
         if include_usage:
             usage = make_usage(prompts, choices, states)
             yield sse(head.model_copy(update={"usage": usage}).model_dump_json())

@@ -207,3 +207,25 @@ def test_chat_max_tokens_default_fills_context(scripted, client):
     client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}])
     (_, prompt_ids, params) = scripted.requests[0]
     assert params.max_tokens == 64 - len(prompt_ids)
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"index": 0, "text": 'h\u00e9llo "x"\n'},
+        {"index": 2, "text": "", "finish_reason": "stop", "stop_reason": "</s>"},
+        {"index": 1, "text": "a", "logprobs": {"tokens": ["a"], "token_logprobs": [-1e-7],
+                                               "top_logprobs": [{"a": -1e-7}], "text_offset": [0]}},
+    ],
+)
+def test_completion_chunk_envelope_renders_the_models_json(choice):
+    """The stream writes head JSON + choice JSON: the same bytes as the whole chunk's model."""
+    from server.protocol import CompletionChoice, CompletionResponse
+    from server.serving_completions import chunk_envelope
+
+    head = CompletionResponse(id="cmpl-1", model='m\u00e9"q', choices=[])
+    before, after = chunk_envelope(head)
+    c = CompletionChoice(**choice)
+    assert before + c.model_dump_json() + after == (
+        head.model_copy(update={"choices": [c]}).model_dump_json()
+    )
