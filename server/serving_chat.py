@@ -257,7 +257,6 @@ async def _stream(
 ) -> AsyncIterator[str]:
     created = int(time.time())  # one id and one created per stream
     head = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[])
-
     fields = head.model_dump(exclude={"choices", "usage"})  # id, object, created, model
 
     def chunk(choices_, usage=None) -> str:

@@ -163,7 +163,8 @@ async def merge_outputs(
 ) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
     """Runs every choice's engine stream; yields what is ready, in choice-index order.
 
-    Leaving early (client disconnect) cancels the pumps, which aborts the engine requests.
+    Leaving early (client disconnect) cancels the pumps, or closes the one choice's stream,
+    which aborts the engine requests.
     """
     if len(choices) == 1:  # the common case: no pump task, no queue between it and the response
         index = choices[0].index
