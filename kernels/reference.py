@@ -6,6 +6,7 @@ No kernels here: the CPU C++ kernels live behind kernels/cpu_backend.py, which b
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +136,41 @@ def attend_rows(
     out[start : start + q_len] = o[0].transpose(0, 1)
 
 
+@dataclass
+class MixedPlan:
+    """How paged_attention_mixed splits one step's batch: the same in every layer, so built once
+    per step (TorchAttentionBackend.forward keeps the step's) instead of once per layer."""
+
+    starts: list[int]  # each sequence's first query row
+    prefill_seqs: list[int]  # the sequences with more than one query
+    groups: dict[tuple[int, int], list[int]]  # those by (query length, context length)
+    decode_seqs: list[int]  # one query each
+    decode_rows: slice | torch.Tensor | None = None  # their rows (a slice where consecutive)
+    decode_args: tuple = ()  # block_table, seq_lens, max_seq_len of those sequences
+
+
+def mixed_plan(meta: AttentionMetadata, device) -> MixedPlan:
+    starts = meta.query_start_loc.tolist()
+    plan = MixedPlan(starts, [], {}, [])
+    for i, (q_len, kv_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        if q_len == 1:
+            plan.decode_seqs.append(i)
+        else:
+            plan.prefill_seqs.append(i)
+            plan.groups.setdefault((q_len, kv_len), []).append(i)
+    seqs = plan.decode_seqs
+    if len(seqs) > 1:
+        if seqs[-1] - seqs[0] == len(seqs) - 1:  # consecutive sequences: consecutive rows
+            seq_idx = slice(seqs[0], seqs[-1] + 1)
+            plan.decode_rows = slice(starts[seqs[0]], starts[seqs[-1]] + 1)
+        else:
+            seq_idx = torch.tensor(seqs, device=device)
+            plan.decode_rows = torch.tensor([starts[i] for i in seqs], device=device)
+        max_seq_len = max(meta.seq_lens_cpu[i] for i in seqs)
+        plan.decode_args = (meta.block_table[seq_idx], meta.seq_lens[seq_idx], max_seq_len)
+    return plan
+
+
 def paged_attention_mixed(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,
@@ -145,6 +181,7 @@ def paged_attention_mixed(
     prefill=None,
     window: int = 0,
     softcap: float = 0.0,
+    plan: MixedPlan | None = None,
 ) -> torch.Tensor:
     """Decoding sequences (one query each) batched together; prefill sequences batched by
     (query length, context length), so a burst of equal prompts is one SDPA call per layer.
@@ -152,43 +189,34 @@ def paged_attention_mixed(
     decode: the batched decode function (paged_decode_attention's signature).
     prefill: optional fn(query, k_cache, v_cache, meta, seqs, starts, scale, out, window,
     softcap) that writes the rows of every sequence in `seqs` (all those with more than one
-    query) in one call. window and softcap as in paged_attention.
+    query) in one call. window and softcap as in paged_attention. plan: mixed_plan(meta), when
+    the caller keeps the step's.
     """
     decode = decode or paged_decode_attention
+    plan = plan or mixed_plan(meta, query.device)
     out = torch.empty_like(query)
-    starts = meta.query_start_loc.tolist()
-    groups: dict[tuple[int, int], list[int]] = {}
-    prefill_seqs: list[int] = []  # for `prefill`, when given
-    for i, (q_len, kv_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        if q_len == 1:
-            groups.setdefault((1, 0), []).append(i)
-        elif prefill:
-            prefill_seqs.append(i)
-        else:
-            groups.setdefault((q_len, kv_len), []).append(i)
-    if prefill_seqs:
-        prefill(query, k_cache, v_cache, meta, prefill_seqs, starts, scale, out, window, softcap)
-    for (q_len, _), seqs in groups.items():
-        if len(seqs) == 1:
-            i = seqs[0]
-            attend_one(query, k_cache, v_cache, meta, i, starts[i], scale, out, window, softcap)
-        elif q_len == 1:
-            seq_idx = torch.tensor(seqs, device=query.device)
-            rows = torch.tensor([starts[i] for i in seqs], device=query.device)
-            max_seq_len = max(meta.seq_lens_cpu[i] for i in seqs)
-            out[rows] = decode(
-                query[rows],
-                k_cache,
-                v_cache,
-                meta.block_table[seq_idx],
-                meta.seq_lens[seq_idx],
-                max_seq_len,
-                scale,
-                window=window,
-                softcap=softcap,
-            )
-        else:
-            attend_group(query, k_cache, v_cache, meta, seqs, starts, scale, out, window, softcap)
+    starts = plan.starts
+    if prefill and plan.prefill_seqs:
+        prefill(query, k_cache, v_cache, meta, plan.prefill_seqs, starts, scale, out, window,
+                softcap)
+    elif not prefill:
+        for seqs in plan.groups.values():
+            if len(seqs) == 1:
+                i = seqs[0]
+                attend_one(query, k_cache, v_cache, meta, i, starts[i], scale, out, window,
+                           softcap)
+            else:
+                attend_group(query, k_cache, v_cache, meta, seqs, starts, scale, out, window,
+                             softcap)
+    if len(plan.decode_seqs) == 1:
+        i = plan.decode_seqs[0]
+        attend_one(query, k_cache, v_cache, meta, i, starts[i], scale, out, window, softcap)
+    elif plan.decode_seqs:
+        rows = plan.decode_rows
+        out[rows] = decode(
+            query[rows], k_cache, v_cache, *plan.decode_args, scale, window=window,
+            softcap=softcap,
+        )
     return out
 
 
@@ -268,6 +296,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
     supports_sliding_window = True
+    _mixed: tuple | None = None  # (meta, mixed_plan(meta)) of the step running
     supports_softcap = True
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -286,8 +315,11 @@ class TorchAttentionBackend(AttentionBackend):
         applies = self._prefill_kernel_applies(query, k_cache, meta, window, softcap)
         prefill = self.prefill if applies else None
         decode = functools.partial(self.decode, shared_blocks=shared) if shared else self.decode
+        plan = self._mixed
+        if plan is None or plan[0] is not meta:  # the step's first layer
+            plan = self._mixed = (meta, mixed_plan(meta, query.device))
         return paged_attention_mixed(
-            query, k_cache, v_cache, meta, scale, decode, prefill, window, softcap
+            query, k_cache, v_cache, meta, scale, decode, prefill, window, softcap, plan[1]
         )
 
     def _prefill_kernel_applies(

@@ -183,6 +183,33 @@ def test_mixed_batch_decode_rows_batched_match_per_sequence():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_mixed_split_built_once_per_step_consecutive_decodes_as_one_slice(monkeypatch):
+    """Decodes first, as the scheduler orders a step, then a prefill chunk: the decode rows go
+    as one slice; the step's first layer builds the split, its other layers reuse it, and the
+    next step (a new metadata object) builds its own."""
+    import kernels.reference as ref
+
+    query_lens, seq_lens = [1, 1, 1, 7], [5, 17, 33, 20]
+    k_cache, v_cache, block_table = make_paged_batch(8, 2, 64, seq_lens, torch.float32, "cpu")
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    meta = ragged_meta(block_table, query_lens, seq_lens)
+    q = torch.randn(sum(query_lens), 6, 64)
+    built = []
+    real = ref.mixed_plan
+    monkeypatch.setattr(ref, "mixed_plan", lambda m, dev: built.append(m) or real(m, dev))
+    backend = get_attention_backend("torch", "cpu")
+    want = paged_attention(q, k_cache, v_cache, meta, 0.125)
+    for _ in range(3):  # three layers of one step
+        got = backend.forward(q, k_cache, v_cache, meta, 0.125)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert built == [meta]
+    assert backend._mixed[1].decode_rows == slice(0, 3)
+    next_step = ragged_meta(block_table, query_lens, seq_lens)
+    got = backend.forward(q, k_cache, v_cache, next_step, 0.125)
+    assert len(built) == 2 and built[1] is next_step
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_equal_prefills_batched_match_per_sequence(monkeypatch):
     # two whole prompts of 12, three chunks of 5 new over 21, one odd chunk, two decodes
     query_lens = [12, 5, 1, 12, 5, 3, 5, 1]
