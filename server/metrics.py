@@ -116,6 +116,16 @@ class Metrics:
         self._add_scheduler_gauges()
         self._add_counters()
         self._add_histograms(build_1_2_5_buckets(max_model_len))
+        # what observe() feeds from each step, in its order, and the values the gauges hold
+        self._gauges = (
+            self.running, self.waiting, self.kv_usage, self.free_blocks, self.cached_blocks,
+            self.used_blocks, self.total_blocks,
+        )
+        self._gauge_values: tuple = (None,) * len(self._gauges)
+        self._counters = (
+            self.preemptions, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
+            self.prefix_hits,
+        )
 
     # ---- families ----------------------------------------------------------------------------
     def _gauge(self, name: str, doc: str):
@@ -203,19 +213,24 @@ class Metrics:
 
     # ---- feeding -----------------------------------------------------------------------------
     def observe(self, s: StepStats) -> None:
-        """Called once per engine step from the engine thread; prometheus_client is thread-safe."""
-        self.running.set(s.num_running)
-        self.waiting.set(s.num_waiting)
-        self.kv_usage.set(s.kv_cache_usage)
-        self.free_blocks.set(s.num_free_blocks)
-        self.cached_blocks.set(s.num_cached_free_blocks)
-        self.used_blocks.set(s.num_total_blocks - s.num_free_blocks)
-        self.total_blocks.set(s.num_total_blocks)
-        self.preemptions.inc(s.num_preemptions)
-        self.prompt_tokens.inc(s.num_prompt_tokens)
-        self.generation_tokens.inc(s.num_generation_tokens)
-        self.prefix_queries.inc(s.prefix_cache_queries)
-        self.prefix_hits.inc(s.prefix_cache_hits)
+        """Called once per engine step from the engine thread; prometheus_client is thread-safe.
+        A gauge is set when its value changed and a counter moved when it grew: a decode step
+        at one request changes few of them (each call takes a lock)."""
+        gauges = (
+            s.num_running, s.num_waiting, s.kv_cache_usage, s.num_free_blocks,
+            s.num_cached_free_blocks, s.num_total_blocks - s.num_free_blocks, s.num_total_blocks,
+        )
+        for gauge, value, last in zip(self._gauges, gauges, self._gauge_values):
+            if value != last:
+                gauge.set(value)
+        self._gauge_values = gauges
+        counts = (
+            s.num_preemptions, s.num_prompt_tokens, s.num_generation_tokens,
+            s.prefix_cache_queries, s.prefix_cache_hits,
+        )
+        for counter, n in zip(self._counters, counts):
+            if n:
+                counter.inc(n)
         if s.num_scheduled_tokens:
             self.iteration_tokens.observe(s.num_scheduled_tokens)
         if s.num_spec_drafts:

@@ -453,3 +453,39 @@ def _wait_for_log(server: ServerProcess, needle: str, timeout: float = 10.0) -> 
             return log
         time.sleep(0.1)
     return server.log_path.read_text()
+
+
+def test_step_gauges_follow_every_change_and_counters_add_each_step():
+    """observe() skips a gauge whose value did not change and a counter that did not grow: the
+    exposition still reads each step's gauges and the counters' running sums."""
+    from engine.outputs import StepStats
+    from server.metrics import Metrics
+
+    m = Metrics("m")
+
+    def read(name: str) -> float:
+        return metric_value(m.render().decode(), "pagedserve:" + name, {"model_name": "m"})
+
+    busy = dict(num_running=3, num_waiting=2, num_total_blocks=64, num_free_blocks=40,
+                num_cached_free_blocks=5, kv_cache_usage=0.375)
+    steps = [
+        StepStats(**busy, num_generation_tokens=3, num_prompt_tokens=20),
+        StepStats(**busy, num_generation_tokens=3),  # a decode step: no gauge moves
+        StepStats(**{**busy, "num_running": 0, "num_free_blocks": 64, "kv_cache_usage": 0.0}),
+        StepStats(**busy, num_preemptions=1, prefix_cache_queries=32, prefix_cache_hits=16),
+    ]
+    want = [(3, 40, 24, 0.375, 3, 20, 0), (3, 40, 24, 0.375, 6, 20, 0),
+            (0, 64, 0, 0.0, 6, 20, 0), (3, 40, 24, 0.375, 6, 20, 1)]
+    for step, (running, free, used, usage, gen, prompt, preempted) in zip(steps, want):
+        m.observe(step)
+        assert read("num_requests_running") == running
+        assert read("num_requests_waiting") == 2
+        assert read("kv_cache_free_blocks") == free
+        assert read("kv_cache_used_blocks") == used
+        assert read("kv_cache_usage_perc") == usage
+        assert read("kv_cache_cached_blocks") == 5
+        assert read("kv_cache_total_blocks") == 64
+        assert read("generation_tokens_total") == gen
+        assert read("prompt_tokens_total") == prompt
+        assert read("num_preemptions_total") == preempted
+    assert read("prefix_cache_queries_total") == 32 and read("prefix_cache_hits_total") == 16
