@@ -79,7 +79,7 @@ def format_table(table: dict[str, dict[str, dict]]) -> str:
     """Every row against pagedserve (the rounds view)."""
     head = (
         f"| cell | peer | ok/sent | out tok/s | x pagedserve | req/s | TTFT med ms | "
-        f"TTFT p90 | TTFT p99 | ITL med ms | ITL p90 | ITL p99 |\n|{'---|' * 12}"
+        f"TTFT p90 | TTFT p99 | ITL med ms | ITL p90 | ITL p99 | steal % |\n|{'---|' * 13}"
     )
     lines = [head]
     for cell, by_label in table.items():
@@ -93,9 +93,15 @@ def format_table(table: dict[str, dict[str, dict]]) -> str:
                 f"| {cell} | {label} | {s['num_completed']}/{s['num_requests']} | "
                 f"{s['output_throughput']:.1f} | {ratio} | {s['request_throughput']:.2f} | "
                 f"{t['median']:.0f} | {t['p90']:.0f} | {t['p99']:.0f} | "
-                f"{i['median']:.1f} | {i['p90']:.1f} | {i['p99']:.1f} |"
+                f"{i['median']:.1f} | {i['p90']:.1f} | {i['p99']:.1f} | {_steal(s)} |"
             )
     return "\n".join(lines)
+
+
+def _steal(s: dict) -> str:
+    """The cell's steal share (bench/serve.py), '-' in summaries from before it was kept."""
+    share = s.get("steal_share")
+    return "-" if share is None else f"{100 * share:.0f}"
 
 
 def _tpot(s: dict, key: str = "median") -> float | None:

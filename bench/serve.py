@@ -319,6 +319,25 @@ def summarize(label: str, wl: Workload, results: list[RequestResult], duration: 
     return summary
 
 
+def cpu_jiffies() -> list[int] | None:
+    """The machine's CPU time by kind since boot (/proc/stat's `cpu` line), None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
+    """Of the CPU time that passed, the share the hypervisor gave to other guests (steal, the
+    8th field): on a shared virtual machine, what a cell lost that the other cells may not have."""
+    if before is None or after is None or len(before) < 8:
+        return None
+    delta = [a - b for a, b in zip(after, before)]
+    total = sum(delta[:8])  # user .. steal; guest time is already counted in user
+    return delta[7] / total if total > 0 else None
+
+
 def print_summary(s: dict) -> None:
     print(
         f"[{s['label']}/{s['workload']}] {s['num_completed']}/{s['num_requests']} ok "
@@ -329,6 +348,7 @@ def print_summary(s: dict) -> None:
         f"p90 {s['itl_ms']['p90']:.1f} p99 {s['itl_ms']['p99']:.1f}, "
         f"TPOT median {s['tpot_ms']['median']:.1f} ms p90 {s['tpot_ms']['p90']:.1f}"
         + (f", copied {s['copied_share']:.2f}" if "copied_share" in s else "")
+        + (f", steal {100 * s['steal_share']:.0f}%" if s.get("steal_share") is not None else "")
     )
     for e in s["errors"]:
         print(f"  error: {e}")
@@ -382,8 +402,10 @@ def main(argv: list[str] | None = None) -> dict:
     model = args.model or asyncio.run(_served_model(args.base_url))
     if not args.no_warmup:
         asyncio.run(_warmup(args.base_url, model, vocab))
+    before = cpu_jiffies()
     results, duration = asyncio.run(run_workload(args.base_url, model, wl))
     summary = summarize(args.label, wl, results, duration)
+    summary["steal_share"] = steal_share(before, cpu_jiffies())
     print_summary(summary)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
