@@ -296,8 +296,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
     supports_sliding_window = True
-    _mixed: tuple | None = None  # (meta, mixed_plan(meta)) of the step running
     supports_softcap = True
+    # (meta, mixed_plan(meta)) of the step running: built by its first layer, reused by the rest
+    # (where consecutive layers read different metadata objects, one per KV group, each switch
+    # rebuilds it)
+    _mixed: tuple | None = None
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv_by_slot(key, value, k_cache, v_cache, slot_mapping)
