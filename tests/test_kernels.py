@@ -171,13 +171,19 @@ def test_batched_torch_decode_matches_per_sequence(case):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_mixed_batch_decode_rows_batched_match_per_sequence():
-    # decodes interleaved with a prefill chunk (7 new of 20) and a whole prompt (4 of 4)
-    query_lens, seq_lens = [1, 7, 1, 4, 1], [5, 20, 17, 4, 33]
+def mixed_batch(query_lens, seq_lens):
+    """A float32 batch of 6 query heads over 2 KV heads (d=64, blocks of 8): (q, k_cache,
+    v_cache, meta), the cache's NaN poison zeroed (the batched paths mask whole blocks)."""
     k_cache, v_cache, block_table = make_paged_batch(8, 2, 64, seq_lens, torch.float32, "cpu")
     k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
     meta = ragged_meta(block_table, query_lens, seq_lens)
-    q = torch.randn(sum(query_lens), 6, 64)
+    return torch.randn(sum(query_lens), 6, 64), k_cache, v_cache, meta
+
+
+def test_mixed_batch_decode_rows_batched_match_per_sequence():
+    # decodes interleaved with a prefill chunk (7 new of 20) and a whole prompt (4 of 4)
+    query_lens, seq_lens = [1, 7, 1, 4, 1], [5, 20, 17, 4, 33]
+    q, k_cache, v_cache, meta = mixed_batch(query_lens, seq_lens)
     got = get_attention_backend("torch", "cpu").forward(q, k_cache, v_cache, meta, 0.125)
     want = paged_attention(q, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -190,10 +196,7 @@ def test_mixed_split_built_once_per_step_consecutive_decodes_as_one_slice(monkey
     import kernels.reference as ref
 
     query_lens, seq_lens = [1, 1, 1, 7], [5, 17, 33, 20]
-    k_cache, v_cache, block_table = make_paged_batch(8, 2, 64, seq_lens, torch.float32, "cpu")
-    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
-    meta = ragged_meta(block_table, query_lens, seq_lens)
-    q = torch.randn(sum(query_lens), 6, 64)
+    q, k_cache, v_cache, meta = mixed_batch(query_lens, seq_lens)
     built = []
     real = ref.mixed_plan
     monkeypatch.setattr(ref, "mixed_plan", lambda m, dev: built.append(m) or real(m, dev))
@@ -204,7 +207,7 @@ def test_mixed_split_built_once_per_step_consecutive_decodes_as_one_slice(monkey
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert built == [meta]
     assert backend._mixed[1].decode_rows == slice(0, 3)
-    next_step = ragged_meta(block_table, query_lens, seq_lens)
+    next_step = ragged_meta(meta.block_table, query_lens, seq_lens)
     got = backend.forward(q, k_cache, v_cache, next_step, 0.125)
     assert len(built) == 2 and built[1] is next_step
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -214,10 +217,7 @@ def test_equal_prefills_batched_match_per_sequence(monkeypatch):
     # two whole prompts of 12, three chunks of 5 new over 21, one odd chunk, two decodes
     query_lens = [12, 5, 1, 12, 5, 3, 5, 1]
     seq_lens = [12, 21, 30, 12, 21, 21, 21, 9]
-    k_cache, v_cache, block_table = make_paged_batch(8, 2, 64, seq_lens, torch.float32, "cpu")
-    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
-    meta = ragged_meta(block_table, query_lens, seq_lens)
-    q = torch.randn(sum(query_lens), 6, 64)
+    q, k_cache, v_cache, meta = mixed_batch(query_lens, seq_lens)
     import kernels.reference as ref
 
     groups = []
