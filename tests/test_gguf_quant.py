@@ -89,7 +89,8 @@ def test_scales_fp16_where_exact_and_the_bytes_held(qtype, ops):
     """The 32-weight types hold fp16 scales and mins (the file's own d and m: as many bytes as
     the file, Q4_0 4.5 bits per weight), the K types float32; channels pad to 16. Every reader
     of the layout gives gguf-py's bits: the torch dequantization and row gather, gguf_dequantize
-    (portable reads), and gguf_gemm's bf16 tiles (vcvtph2ps reads) picked out by one-hot rows."""
+    (portable reads), gguf_dequantize_rows (a packed embedding's lookup, float32 and bf16), and
+    gguf_gemm's bf16 tiles (vcvtph2ps reads) picked out by one-hot rows."""
     t = GGUF_TYPES[qtype]
     n, k = 37, 2 * t.block
     p, want = packed(qtype, n, k, seed=5)
@@ -104,6 +105,13 @@ def test_scales_fp16_where_exact_and_the_bytes_held(qtype, ops):
     out = torch.empty(n, k)
     ops.gguf_dequantize(out, p.qs, p.qh, p.scales, p.mins, p.bits, p.zero)
     assert np.array_equal(out.numpy(), want)
+    rows = torch.tensor([36, 0, 17, 17, 5])  # the last group's padded lanes, a repeat
+    got = p.gather_rows(rows, torch.float32, ops)
+    assert np.array_equal(got.numpy(), want[rows.numpy()])
+    bf16 = torch.from_numpy(want[rows.numpy()]).to(torch.bfloat16)
+    assert torch.equal(p.gather_rows(rows, torch.bfloat16, ops), bf16)
+    with pytest.raises(RuntimeError, match="id 37 not in"):  # a padded channel is not a row
+        p.gather_rows(torch.tensor([37]), torch.float32, ops)
     if gemm_available(ops):  # out[r, c] = 1 * W[c, r], summed with zeros: bf16(W) exactly
         got = torch.full((k, n), float("nan"))
         ops.gguf_gemm(got, torch.eye(k), p.qs, p.qh, p.scales, p.mins, p.bits, p.zero, None)

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_ops import load_cpu_ops
+
 logger = logging.getLogger(__name__)
 
 BLOCKS_FILE = "gguf_blocks.bin"  # safetensors format; not *.safetensors, so not read as weights
@@ -223,6 +225,16 @@ class PackedQuant(nn.Module):
         s = self.scales[g, :, lane]  # [T, K // sub]
         m = None if self.mins is None else self.mins[g, :, lane]
         return self._combine(u, s, m).to(dtype)
+
+    def gather_rows(self, ids: torch.Tensor, dtype: torch.dtype, ops=None) -> torch.Tensor:
+        """dequantize_rows' bits, on the C++ kernel where ops (kernels.cpu_ops) has it: one
+        call instead of a dozen torch ops, 5-40x faster for a decode step's few rows."""
+        if ops is None or ids.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            return self.dequantize_rows(ids, dtype)
+        out = torch.empty(len(ids), self.in_features, dtype=dtype)
+        ops.gguf_dequantize_rows(out, ids.long().contiguous(), self.qs, self.qh, self.scales,
+                                 self.mins, self.out_features, self.bits, self.zero)
+        return out
 
     def _combine(self, u: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
         n, k = u.shape
@@ -469,7 +481,7 @@ def _tie_embedding(model: nn.Module) -> None:
     part, dtype = head.gguf_parts[0], embed.weight.dtype
     embed.gguf = part
     embed.weight = None
-    embed.forward = lambda input_ids: part.dequantize_rows(input_ids, dtype)
+    embed.forward = lambda input_ids: part.gather_rows(input_ids, dtype, load_cpu_ops())
 
 
 def describe_gguf(model: nn.Module) -> str:

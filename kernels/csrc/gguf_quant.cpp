@@ -22,7 +22,8 @@
 // xsum = sum q it gives sum_k W x = d * (s * dot + (m or -zero * s) * xsum). Each output is
 // rounded once to x's dtype. AVX-512 VNNI where the build has it, a portable loop elsewhere
 // (or when set_gguf_portable). Many rows go to gguf_dequantize + a bf16 matmul (the Python side
-// picks, bench/quantization.py measures the threshold).
+// picks, bench/quantization.py measures the threshold). gguf_dequantize_rows gathers rows of W
+// (a packed embedding's lookup).
 #include "common.h"
 #include "gguf_layout.h"
 #include "ops.h"
@@ -454,27 +455,52 @@ PAGEDSERVE_INLINE void decode_bytes(const Weights& w, const uint8_t* qs, const u
 #endif
 }
 
+// Block b of channel l of group g (its decoded bytes in tmp) -> 32 values of row.
+template <typename T>
+PAGEDSERVE_INLINE void dequantize_lane(const Weights& w, int64_t g, int64_t b, const uint8_t* tmp,
+                                       int64_t l, T* row) {
+  const int64_t per_block = kBlock / w.sub;
+  const float m =
+      w.mins != nullptr ? scale_at(w.mins, w.half, (g * w.blocks + b) * kLanes + l) : 0.0f;
+  for (int64_t sb = 0; sb < per_block; ++sb) {
+    const float s = scale_at(w.scales, w.half, (g * w.subs() + b * per_block + sb) * kLanes + l);
+    for (int64_t kk = sb * w.sub; kk < (sb + 1) * w.sub; ++kk) {
+      const float u = static_cast<float>(tmp[(kk / 4) * 64 + l * 4 + kk % 4]);
+      // the torch reference's (and gguf-py's) rounding: s * u + m, or s * (u - zero)
+      row[kk] = from_f<T>(w.mins != nullptr ? s * u + m : s * (u - w.zero));
+    }
+  }
+}
+
 template <typename T>
 void dequantize_group(const Weights& w, int64_t g, T* out, int64_t ldo) {
   const int64_t n0 = g * kLanes, lanes = std::min(kLanes, w.n - n0);
-  const int64_t per_block = kBlock / w.sub;
   const uint8_t* qs_g = w.qs + g * w.group_qs();
   const uint8_t* qh_g = w.qh != nullptr ? w.qh + g * w.group_qh() : nullptr;
   alignas(64) uint8_t tmp[8 * 64];
   for (int64_t b = 0; b < w.blocks; ++b) {
     decode_bytes(w, qs_g + b * w.nq * 64, qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr, tmp);
-    for (int64_t l = 0; l < lanes; ++l) {
-      T* row = out + (n0 + l) * ldo + b * kBlock;
-      const float m =
-          w.mins != nullptr ? scale_at(w.mins, w.half, (g * w.blocks + b) * kLanes + l) : 0.0f;
-      for (int64_t kk = 0; kk < kBlock; ++kk) {
-        const float s =
-            scale_at(w.scales, w.half, (g * w.subs() + b * per_block + kk / w.sub) * kLanes + l);
-        const float u = static_cast<float>(tmp[(kk / 4) * 64 + l * 4 + kk % 4]);
-        // the torch reference's (and gguf-py's) rounding: s * u + m, or s * (u - zero)
-        row[kk] = from_f<T>(w.mins != nullptr ? s * u + m : s * (u - w.zero));
+    for (int64_t l = 0; l < lanes; ++l)
+      dequantize_lane(w, g, b, tmp, l, out + (n0 + l) * ldo + b * kBlock);
+  }
+}
+
+// Row n of W (an embedding lookup): of each block only channel l's 32 bytes are decoded.
+template <typename T>
+void dequantize_row(const Weights& w, int64_t n, T* row) {
+  const int64_t g = n / kLanes, l = n % kLanes;
+  const uint8_t* qs_g = w.qs + g * w.group_qs();
+  const uint8_t* qh_g = w.qh != nullptr ? w.qh + g * w.group_qh() : nullptr;
+  alignas(64) uint8_t tmp[8 * 64];
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const uint8_t* qs = qs_g + b * w.nq * 64;
+    const uint8_t* qh = qh_g != nullptr ? qh_g + b * w.nh * 64 : nullptr;
+    for (int v = 0; v < 8; ++v)
+      for (int j = 0; j < 4; ++j) {
+        const int i = static_cast<int>(l) * 4 + j;
+        tmp[v * 64 + i] = static_cast<uint8_t>(quant_at(w, qs, qh, v, i));
       }
-    }
+    dequantize_lane(w, g, b, tmp, l, row + b * kBlock);
   }
 }
 
@@ -547,6 +573,30 @@ void gguf_dequantize(const at::Tensor& out, const at::Tensor& qs,
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
       for (int64_t g = begin; g < end; ++g) dequantize_group(w, g, o, out.stride(0));
+    });
+  });
+}
+
+void gguf_dequantize_rows(const at::Tensor& out, const at::Tensor& ids, const at::Tensor& qs,
+                          const std::optional<at::Tensor>& qh, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& mins, int64_t n, int64_t bits,
+                          int64_t zero) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "gguf_dequantize_rows: ids must be [T] int64");
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == ids.size(0),
+              "gguf_dequantize_rows: out must be [T, K]");
+  const Weights w = check_weights(qs, qh, scales, mins, n, bits, zero, "gguf_dequantize_rows");
+  TORCH_CHECK(out.size(1) == w.k, "gguf_dequantize_rows: out has K=", out.size(1), ", the weight ",
+              w.k);
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ids.size(0); ++t)
+    TORCH_CHECK(idp[t] >= 0 && idp[t] < n, "gguf_dequantize_rows: id ", idp[t], " not in [0, ", n,
+                ")");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "gguf_dequantize_rows", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    // a row is about 1 us of work: threads only pay for long prompts
+    at::parallel_for(0, ids.size(0), 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) dequantize_row(w, idp[t], o + t * out.stride(0));
     });
   });
 }

@@ -76,6 +76,10 @@ void gguf_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& q
 void gguf_dequantize(const at::Tensor& out, const at::Tensor& qs,
                      const std::optional<at::Tensor>& qh, const at::Tensor& scales,
                      const std::optional<at::Tensor>& mins, int64_t bits, int64_t zero);
+void gguf_dequantize_rows(const at::Tensor& out, const at::Tensor& ids, const at::Tensor& qs,
+                          const std::optional<at::Tensor>& qh, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& mins, int64_t n, int64_t bits,
+                          int64_t zero);
 std::string gguf_kernel();
 bool set_gguf_portable(bool portable);
 // One part of a GGUF-packed linear: n consecutive outputs of one type in gguf_quant.cpp's layout.

@@ -33,6 +33,7 @@
 //   gguf_quant.cpp
 //     gguf_linear              out = x @ W^T, W a GGUF quant type re-packed at load
 //     gguf_dequantize          such a W as a float [N, K] (the many-row path)
+//     gguf_dequantize_rows     rows ids of such a W (a packed embedding's lookup)
 //     gguf_kernel / set_gguf_portable   which path runs (VNNI or portable); force portable
 //   gguf_gemm.cpp
 //     gguf_gemm                gguf_linear for many rows: weight tiles dequantized to bf16, AMX
@@ -79,6 +80,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("set_int8_portable", &set_int8_portable);
   m.def("gguf_linear", &gguf_linear);
   m.def("gguf_dequantize", &gguf_dequantize);
+  m.def("gguf_dequantize_rows", &gguf_dequantize_rows);
   m.def("gguf_kernel", &gguf_kernel);
   m.def("set_gguf_portable", &set_gguf_portable);
   m.def("gguf_gemm", &gguf_gemm);
