@@ -228,7 +228,7 @@ class PackedQuant(nn.Module):
 
     def gather_rows(self, ids: torch.Tensor, dtype: torch.dtype, ops=None) -> torch.Tensor:
         """dequantize_rows' bits, on the C++ kernel where ops (kernels.cpu_ops) has it: one
-        call instead of a dozen torch ops, 5-40x faster for a decode step's few rows."""
+        call instead of a dozen torch ops (one row: 14-24 us against 82-95 alone)."""
         if ops is None or ids.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             return self.dequantize_rows(ids, dtype)
         out = torch.empty(len(ids), self.in_features, dtype=dtype)

@@ -594,7 +594,7 @@ void gguf_dequantize_rows(const at::Tensor& out, const at::Tensor& ids, const at
                 ")");
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "gguf_dequantize_rows", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
-    // a row is about 1 us of work: threads only pay for long prompts
+    // a row is about 2 us of work: threads only pay for long prompts
     at::parallel_for(0, ids.size(0), 64, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) dequantize_row(w, idp[t], o + t * out.stride(0));
     });
