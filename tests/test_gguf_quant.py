@@ -589,4 +589,6 @@ def test_gemma3_270m_served_packed_agrees_with_dequantized_bf16(monkeypatch, cap
     assert first == len(GEMMA_PROMPTS)
     assert common >= 0.3 * n * len(GEMMA_PROMPTS)
     assert np.mean(gaps) < 0.15
-    assert "capital" in outs["gguf"][0].text and "France" in outs["gguf"][0].text
+    # on topic, not only agreeing (a broken kernel could agree with a broken reference);
+    # which words follow "capital" is a near tie that differs between CPUs (AMX or not)
+    assert "capital" in outs["gguf"][0].text
