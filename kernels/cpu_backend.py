@@ -2,9 +2,9 @@
 
 Built on the reference backend (kernels/reference.py): the same batching, with the kernels of
 kernels/cpu_ops.py in place of its gathers and SDPA calls. The paged decode kernel takes every
-decode batch; in bf16 where AMX is available the prefill kernel takes every sequence with more
-than one new token, and the cascade kernel decodes over a shared prefix. fused_decode() runs a
-whole decode step through every layer in one call (ops.decode_layers;
+decode batch; in bf16 where AMX or AVX-512 BF16 is available the prefill kernel takes every
+sequence with more than one new token, and the cascade kernel decodes over a shared prefix.
+fused_decode() runs a whole decode step through every layer in one call (ops.decode_layers;
 ops.decode_layers_mixed where GGUF-packed linears are among them). The thresholds below are
 chosen by measurement: bench/README.md says how to rerun it (bench/cpu_ab.py).
 
@@ -99,14 +99,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def prefill_shapes_supported(self, head_dim: int, block_size: int) -> bool:
         key = (head_dim, block_size)
         if key not in self._prefill_supported:
-            self._prefill_supported[key] = bool(self.ops.amx_prefill_supported(*key))
+            self._prefill_supported[key] = bool(self.ops.prefill_supported(*key))
         return self._prefill_supported[key]
 
     def prefill(
         self, query, k_cache, v_cache, meta, seqs: list[int], starts, scale, out, window=0,
         softcap=0.0,
     ) -> None:
-        """All prefill sequences in one call of the AMX kernel, K/V read from the cache."""
+        """All prefill sequences in one call of the prefill kernel, K/V read from the cache."""
         cached = self._prefill_args
         if cached is None or cached[0] is not meta or cached[1] != seqs:  # once per step
             idx = torch.tensor(seqs, dtype=torch.long)

@@ -16,7 +16,7 @@ from tests.conftest import build_tiny_model_dir, make_prompts
 
 ops = load_cpu_ops()
 pytestmark = pytest.mark.skipif(
-    ops is None or not ops.amx_available() or not ops.amx_prefill_supported(64, 16),
+    ops is None or not ops.amx_available() or not ops.prefill_supported(64, 16),
     reason="batch invariance is built on the AMX linear and prefill kernels",
 )
 

@@ -81,6 +81,36 @@ needs_amx = pytest.mark.skipif(
 )
 
 
+def _prefill_available() -> bool:
+    """paged_attention_prefill runs here (AMX, or AVX-512 BF16 vectors)."""
+    if not cpu_kernels_enabled():
+        return False
+    loaded = load_cpu_ops()
+    return loaded is not None and bool(loaded.prefill_supported(64, 16))
+
+
+needs_prefill_kernel = pytest.mark.skipif(
+    not _prefill_available(),
+    reason="no prefill kernel here: the CPU (or the build) has neither AMX nor AVX-512 BF16",
+)
+
+# the prefill kernel's bodies: each test of it runs both where the CPU has AMX
+PREFILL_BODIES = ["amx", "avx512_bf16"]
+
+
+@contextlib.contextmanager
+def prefill_body(ops, body: str):
+    """paged_attention_prefill on the named body for the duration (skips where it cannot run)."""
+    if body == "amx" and not _amx_available():
+        pytest.skip("no AMX here")
+    previous = ops.set_amx_prefill(body == "amx")
+    try:
+        assert ops.prefill_kernel(64, 16) == body
+        yield
+    finally:
+        ops.set_amx_prefill(previous)
+
+
 @contextlib.contextmanager
 def num_threads(n: int):
     old = torch.get_num_threads()
@@ -845,9 +875,10 @@ def varlen_meta(q_lens, kv_lens, block_table) -> AttentionMetadata:
     )
 
 
-@needs_amx
+@needs_prefill_kernel
+@pytest.mark.parametrize("body", PREFILL_BODIES)
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=_prefill_id)
-def test_paged_prefill_amx_matches_per_sequence_reference(ops, case):
+def test_paged_prefill_matches_per_sequence_reference(ops, case, body):
     block_size, heads, kv_heads, head_dim, seqs = case
     gen = torch.Generator().manual_seed(len(seqs) * head_dim + heads)
     q_lens, kv_lens = [q for q, _ in seqs], [kv for _, kv in seqs]
@@ -862,7 +893,7 @@ def test_paged_prefill_amx_matches_per_sequence_reference(ops, case):
     out = torch.full((rows, heads, head_dim), float("nan"), dtype=torch.bfloat16)
     q_start = torch.tensor([1 + sum(q_lens[:i]) for i in range(len(seqs))], dtype=torch.int32)
     scale = head_dim**-0.5
-    with num_threads(THREADS):
+    with num_threads(THREADS), prefill_body(ops, body):
         q_len_t, kv_len_t = (torch.tensor(v, dtype=torch.int32) for v in (q_lens, kv_lens))
         ops.paged_attention_prefill(
             out, query, k_cache, v_cache, block_table, q_start, q_len_t, kv_len_t, scale
@@ -877,7 +908,7 @@ def test_paged_prefill_amx_matches_per_sequence_reference(ops, case):
     assert (got - want).abs().mean() < 4e-3 * want.abs().mean(), "beyond bf16 rounding on average"
 
 
-@needs_amx
+@needs_prefill_kernel
 def test_paged_prefill_refuses_bad_lengths(ops):
     k_cache, v_cache, block_table = make_paged(16, 1, 64, [20], torch.bfloat16, torch.Generator())
     query = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
@@ -895,10 +926,10 @@ def test_paged_prefill_refuses_bad_lengths(ops):
             ops.paged_attention_prefill(out, query, k_cache, v_cache, block_table, *bad, 0.125)
 
 
-@needs_amx
+@needs_prefill_kernel
 def test_torch_backend_routes_bf16_prefill_through_the_kernel(ops):
-    """Mixed batches in bf16: prefills go to the AMX kernel in one call per layer, decodes to the
-    decode kernel, and the result matches the kernel-free backend within bf16 rounding; the
+    """Mixed batches in bf16: prefills go to the prefill kernel in one call per layer, decodes to
+    the decode kernel, and the result matches the kernel-free backend within bf16 rounding; the
     kernel's arguments, built once per step, follow the next step's batch."""
     kv_lens = [30, 20, 5, 60]
     gen = torch.Generator().manual_seed(7)
@@ -946,8 +977,9 @@ def test_torch_backend_takes_the_fast_kernels_at_phi3_head_dim_96(ops, dtype):
     want = TorchAttentionBackend().forward(query, k_cache, v_cache, meta, 96**-0.5)
     amx = dtype == torch.bfloat16 and _amx_available()
     assert calls.count("paged_attention_decode") == 1
-    assert calls.count("paged_attention_prefill") == int(amx)
-    assert backend.prefill_shapes_supported(96, 16) == _amx_available()
+    kernel_prefill = dtype == torch.bfloat16 and _prefill_available()
+    assert calls.count("paged_attention_prefill") == int(kernel_prefill)
+    assert backend.prefill_shapes_supported(96, 16) == _prefill_available()
     assert kernel == ("amx" if amx else "avx512_head"), kernel
     assert batch_kernel == ("amx" if amx else "avx512_seq"), batch_kernel
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=8e-3)
@@ -1376,18 +1408,19 @@ PREFILL_WINDOW_CASES = [
 ]
 
 
-@needs_amx
+@needs_prefill_kernel
+@pytest.mark.parametrize("body", PREFILL_BODIES)
 @pytest.mark.parametrize(
     "case", PREFILL_WINDOW_CASES, ids=lambda c: _window_decode_id(c[:4] + c[5:])
 )
-def test_paged_prefill_window_softcap_matches_definition(ops, case):
+def test_paged_prefill_window_softcap_matches_definition(ops, case, body):
     q, k_cache, v_cache, meta, scale, window, softcap, want, skipped = window_inputs(
         case, seed=3, dtype=torch.bfloat16
     )
     assert window == 0 or any(skipped)
     out = torch.full_like(q, float("nan"))
     q_lens = torch.tensor(meta.query_lens_cpu, dtype=torch.int32)
-    with num_threads(THREADS):
+    with num_threads(THREADS), prefill_body(ops, body):
         ops.paged_attention_prefill(
             out, q, k_cache, v_cache, meta.block_table, meta.query_start_loc[:-1].contiguous(),
             q_lens, meta.seq_lens, scale, window, softcap,
@@ -1407,7 +1440,7 @@ def test_torch_backend_runs_windowed_soft_capped_layers_on_the_kernels(ops, dtyp
     calls = []
     backend = CpuAttentionBackend(_spy(ops, calls))
     got = backend.forward(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
-    prefill_calls = 1 if dtype == torch.bfloat16 and _amx_available() else 0
+    prefill_calls = 1 if dtype == torch.bfloat16 and _prefill_available() else 0
     assert calls.count("paged_attention_decode") == 1
     assert calls.count("paged_attention_prefill") == prefill_calls
     assert calls.count("paged_attention_cascade") == 0
@@ -1415,7 +1448,7 @@ def test_torch_backend_runs_windowed_soft_capped_layers_on_the_kernels(ops, dtyp
     torch.testing.assert_close(got.double(), want, **tol)
 
 
-@needs_amx
+@needs_prefill_kernel
 def test_head_dim_256_prefill_takes_the_kernel_only_while_its_keys_are_few(ops):
     """Gemma's head_dim 256: windowed layers and short contexts on the AMX prefill kernel, long
     full-attention contexts on SDPA (faster there: cpu_backend.PREFILL_D256_MAX_KEYS)."""

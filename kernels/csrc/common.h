@@ -79,6 +79,11 @@ PAGEDSERVE_INLINE int64_t window_start(int64_t q_pos, int64_t window) {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define PAGEDSERVE_AVX512 1
+// AVX-512 BF16 (vdpbf16ps, vcvtne2ps2bf16): the prefill kernel's vector body, and the AMX
+// kernels' conversions (every AMX CPU has it).
+#if defined(__AVX512BF16__)
+#define PAGEDSERVE_AVX512BF16 1
+#endif
 
 namespace pagedserve_cpu {
 
@@ -160,7 +165,7 @@ inline void cap_scores(float* x, int64_t n, float a, float b) {
 }  // namespace pagedserve_cpu
 
 // ---- AMX basics (tile config, per-process permission) ------------------------------------
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define PAGEDSERVE_AMX 1

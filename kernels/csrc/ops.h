@@ -33,7 +33,9 @@ bool set_amx_decode(bool enabled);
 std::string decode_kernel(const at::Tensor& query, const at::Tensor& k_cache);
 
 // prefill.cpp
-bool amx_prefill_supported(int64_t head_dim, int64_t block_size);
+bool prefill_supported(int64_t head_dim, int64_t block_size);
+std::string prefill_kernel(int64_t head_dim, int64_t block_size);
+bool set_amx_prefill(bool enabled);
 void paged_attention_prefill(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& q_start,

@@ -1,6 +1,9 @@
 // paged_attention_prefill: sequences with any number of new tokens over their paged K/V,
-// bottom-right causal, on AMX (bf16, head_dim a multiple of 32 in [64, 256], block_size % 16
-// == 0).
+// bottom-right causal (bf16, head_dim a multiple of 32 in [64, 256], block_size % 16 == 0).
+// Two bodies with the same data layouts and steps, picked per call (prefill_kernel): AMX tiles
+// where the process may use them, else AVX-512 BF16 vectors (vdpbf16ps), which compute each
+// tile product as 16 rows of broadcast-A x B-row dot products; their scores and outputs agree
+// to float32 summation order, the numerators are the same code.
 // One task per (sequence, query head, 16 queries); query j of a sequence sits at position
 // kv_len - q_len + j and sees keys 0..that position, or under a window W the last W of them
 // (the blocks before the sequence's first visible key are never read). Soft-capping replaces
@@ -22,7 +25,7 @@
 
 namespace pagedserve_cpu {
 
-#ifdef PAGEDSERVE_AMX
+#ifdef PAGEDSERVE_AVX512BF16
 namespace {
 
 // permutex2var_epi16 indices that interleave the first 16 words of a with those of b
@@ -57,15 +60,6 @@ inline void transpose16_epi32(__m512i r[16]) {
   }
 }
 
-// The 16 K rows of one tile on their way into L1 (head_dim 64: two lines per row).
-PAGEDSERVE_INLINE void prefetch_k_tile(const c10::BFloat16* rows, int64_t kstride) {
-  const char* nx = reinterpret_cast<const char*>(rows);
-  for (int r = 0; r < 16; ++r) {
-    _mm_prefetch(nx + r * kstride, _MM_HINT_T0);
-    _mm_prefetch(nx + r * kstride + 64, _MM_HINT_T0);
-  }
-}
-
 // q^T tiles (queries past nq are zero): word w of query n at [w / 16][w % 16][n].
 template <int D>
 PAGEDSERVE_INLINE void pack_q_tiles(
@@ -75,6 +69,93 @@ PAGEDSERVE_INLINE void pack_q_tiles(
     const uint32_t* qw = reinterpret_cast<const uint32_t*>(q + n * q_stride);
     uint32_t* dst = reinterpret_cast<uint32_t*>(qt.data());
     for (int64_t w = 0; w < D / 2; ++w) dst[(w / 16) * 256 + (w % 16) * 16 + n] = qw[w];
+  }
+}
+
+// Per query (a lane): causal mask (and window: query n sees key t iff t <= pos0 + n and, with
+// window > 0, t > pos0 + n - window), max, bf16 numerators into pt as B-tile rows (zero for
+// masked and padded keys), their sum. vmax gets the max raw score (0 in unused lanes).
+PAGEDSERVE_INLINE void numerators(
+    c10::BFloat16* pt, const float* st, int64_t visible, int64_t vis_pad, int64_t pos0,
+    int64_t window, __mmask16 valid_q, float scale, __m512& vmax, __m512& vsum) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  auto live_lanes = [&](int64_t t) -> __mmask16 {  // queries that see key t
+    __mmask16 live = valid_q;
+    if (t > pos0)
+      live &= _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int32_t>(t - pos0)));
+    if (window > 0 && t - pos0 + window < 16)  // lanes n >= t - pos0 + window: key t left
+      live &= _mm512_cmpgt_epi32_mask(
+          _mm512_set1_epi32(static_cast<int32_t>(t - pos0 + window)), lane);
+    return live;
+  };
+  // max of the raw scores (scale > 0 commutes with it); e = 2^(s * scale * log2 e - max'),
+  // with a cubic for 2^fraction: plenty for numerators that are rounded to bf16 anyway.
+  vmax = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < visible; ++t)
+    vmax = _mm512_mask_max_ps(vmax, live_lanes(t), vmax, _mm512_loadu_ps(st + t * 16));
+  vmax = _mm512_mask_mov_ps(_mm512_setzero_ps(), valid_q, vmax);  // unused lanes: finite
+  const __m512 k2 = _mm512_set1_ps(scale * 1.44269504088896341f);
+  const __m512 m2 = _mm512_mul_ps(vmax, k2);
+  // minimax cubic for 2^f on [0, 1): relative error 7.5e-5, well under bf16's half ulp
+  const __m512 c3 = _mm512_set1_ps(0.07802403f), c2 = _mm512_set1_ps(0.22606707f);
+  const __m512 c1 = _mm512_set1_ps(0.69583399f), one = _mm512_set1_ps(0.99992513f);
+  vsum = _mm512_setzero_ps();
+  const __m512i pair_idx = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+      19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t t = 0; t < vis_pad; t += 2) {
+    __m512 e[2];
+    for (int i = 0; i < 2; ++i) {
+      const int64_t tt = t + i;
+      const __mmask16 live = tt < visible ? live_lanes(tt) : 0;
+      const __m512 y = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, st + tt * 16), k2, m2);
+      const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+      const __m512 f = _mm512_sub_ps(y, n);
+      __m512 p = _mm512_fmadd_ps(c3, f, c2);
+      p = _mm512_fmadd_ps(p, f, c1);
+      p = _mm512_fmadd_ps(p, f, one);
+      e[i] = _mm512_maskz_scalef_ps(live, p, n);
+      vsum = _mm512_add_ps(vsum, e[i]);
+    }
+    // (e0[n], e1[n]) pairs: B-tile row t / 2
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]);  // e0 low, e1 high
+    _mm512_storeu_si512(pt + t * 16, _mm512_permutexvar_epi16(pair_idx, both));
+  }
+}
+
+// out^T tiles [16 dims][16 queries] -> rows of out divided by their sums (one 16 x 16
+// transpose per 16 dims); lse, when given, gets log(sum exp(scaled scores)) per query.
+template <int D, typename O>
+PAGEDSERVE_INLINE void store_rows(
+    O* out, int64_t out_stride, float (*ot)[16 * 16], int64_t nq, __mmask16 valid_q,
+    __m512 vmax, __m512 vsum, float scale, float* lse) {
+  alignas(64) float inv[16];
+  _mm512_store_ps(
+      inv, _mm512_div_ps(_mm512_set1_ps(1.0f),
+                         _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), valid_q, vsum)));
+  if (lse) {
+    alignas(64) float mx[16], sm[16];
+    _mm512_store_ps(mx, vmax);
+    _mm512_store_ps(sm, vsum);
+    for (int64_t n = 0; n < nq; ++n) lse[n] = mx[n] * scale + std::log(sm[n]);
+  }
+  for (int64_t j = 0; j < D / 16; ++j) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(ot[j] + i * 16);
+    transpose16_epi32(r);
+    for (int64_t n = 0; n < nq; ++n)
+      store16(out + n * out_stride + 16 * j,
+              _mm512_mul_ps(_mm512_castsi512_ps(r[n]), _mm512_set1_ps(inv[n])));
+  }
+}
+
+#ifdef PAGEDSERVE_AMX
+// The 16 K rows of one tile on their way into L1 (head_dim 64: two lines per row).
+PAGEDSERVE_INLINE void prefetch_k_tile(const c10::BFloat16* rows, int64_t kstride) {
+  const char* nx = reinterpret_cast<const char*>(rows);
+  for (int r = 0; r < 16; ++r) {
+    _mm_prefetch(nx + r * kstride, _MM_HINT_T0);
+    _mm_prefetch(nx + r * kstride + 64, _MM_HINT_T0);
   }
 }
 
@@ -153,57 +234,6 @@ PAGEDSERVE_INLINE void score_tiles(
   }
 }
 
-// Per query (a lane): causal mask (and window: query n sees key t iff t <= pos0 + n and, with
-// window > 0, t > pos0 + n - window), max, bf16 numerators into pt as B-tile rows (zero for
-// masked and padded keys), their sum. vmax gets the max raw score (0 in unused lanes).
-PAGEDSERVE_INLINE void numerators(
-    c10::BFloat16* pt, const float* st, int64_t visible, int64_t vis_pad, int64_t pos0,
-    int64_t window, __mmask16 valid_q, float scale, __m512& vmax, __m512& vsum) {
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  auto live_lanes = [&](int64_t t) -> __mmask16 {  // queries that see key t
-    __mmask16 live = valid_q;
-    if (t > pos0)
-      live &= _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int32_t>(t - pos0)));
-    if (window > 0 && t - pos0 + window < 16)  // lanes n >= t - pos0 + window: key t left
-      live &= _mm512_cmpgt_epi32_mask(
-          _mm512_set1_epi32(static_cast<int32_t>(t - pos0 + window)), lane);
-    return live;
-  };
-  // max of the raw scores (scale > 0 commutes with it); e = 2^(s * scale * log2 e - max'),
-  // with a cubic for 2^fraction: plenty for numerators that are rounded to bf16 anyway.
-  vmax = _mm512_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < visible; ++t)
-    vmax = _mm512_mask_max_ps(vmax, live_lanes(t), vmax, _mm512_loadu_ps(st + t * 16));
-  vmax = _mm512_mask_mov_ps(_mm512_setzero_ps(), valid_q, vmax);  // unused lanes: finite
-  const __m512 k2 = _mm512_set1_ps(scale * 1.44269504088896341f);
-  const __m512 m2 = _mm512_mul_ps(vmax, k2);
-  // minimax cubic for 2^f on [0, 1): relative error 7.5e-5, well under bf16's half ulp
-  const __m512 c3 = _mm512_set1_ps(0.07802403f), c2 = _mm512_set1_ps(0.22606707f);
-  const __m512 c1 = _mm512_set1_ps(0.69583399f), one = _mm512_set1_ps(0.99992513f);
-  vsum = _mm512_setzero_ps();
-  const __m512i pair_idx = _mm512_set_epi16(
-      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
-      19, 3, 18, 2, 17, 1, 16, 0);
-  for (int64_t t = 0; t < vis_pad; t += 2) {
-    __m512 e[2];
-    for (int i = 0; i < 2; ++i) {
-      const int64_t tt = t + i;
-      const __mmask16 live = tt < visible ? live_lanes(tt) : 0;
-      const __m512 y = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, st + tt * 16), k2, m2);
-      const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-      const __m512 f = _mm512_sub_ps(y, n);
-      __m512 p = _mm512_fmadd_ps(c3, f, c2);
-      p = _mm512_fmadd_ps(p, f, c1);
-      p = _mm512_fmadd_ps(p, f, one);
-      e[i] = _mm512_maskz_scalef_ps(live, p, n);
-      vsum = _mm512_add_ps(vsum, e[i]);
-    }
-    // (e0[n], e1[n]) pairs: B-tile row t / 2
-    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]);  // e0 low, e1 high
-    _mm512_storeu_si512(pt + t * 16, _mm512_permutexvar_epi16(pair_idx, both));
-  }
-}
-
 // out^T tiles ot[D / 16] += V^T x P, 32 keys at a time, 64 dims per pass, and one pass of 32
 // where D % 64 == 32 (its last dims).
 template <int D>
@@ -249,38 +279,57 @@ PAGEDSERVE_INLINE void pv_tiles(
   }
 }
 
-// out^T tiles [16 dims][16 queries] -> rows of out divided by their sums (one 16 x 16
-// transpose per 16 dims); lse, when given, gets log(sum exp(scaled scores)) per query.
-template <int D, typename O>
-PAGEDSERVE_INLINE void store_rows(
-    O* out, int64_t out_stride, float (*ot)[16 * 16], int64_t nq, __mmask16 valid_q,
-    __m512 vmax, __m512 vsum, float scale, float* lse) {
-  alignas(64) float inv[16];
-  _mm512_store_ps(
-      inv, _mm512_div_ps(_mm512_set1_ps(1.0f),
-                         _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), valid_q, vsum)));
-  if (lse) {
-    alignas(64) float mx[16], sm[16];
-    _mm512_store_ps(mx, vmax);
-    _mm512_store_ps(sm, vsum);
-    for (int64_t n = 0; n < nq; ++n) lse[n] = mx[n] * scale + std::log(sm[n]);
+#endif
+
+// The vector body's tile product: C rows c[0..15] (16 float32 lanes each) += sum over the
+// pairs w < pairs of A row r's pair w (broadcast) . B row w (16 lanes x 2 bf16), A rows
+// a_stride elements apart, B rows 32 elements apart: AMX's _tile_dpbf16ps as 16 x pairs
+// vdpbf16ps.
+PAGEDSERVE_INLINE void dot_rows_vec(
+    __m512 (&c)[16], const c10::BFloat16* a, int64_t a_stride, const c10::BFloat16* b,
+    int64_t pairs) {
+  for (int64_t w = 0; w < pairs; ++w) {
+    const __m512bh bw = (__m512bh)_mm512_loadu_si512(b + w * 32);
+    for (int r = 0; r < 16; ++r) {
+      const int32_t aw = *reinterpret_cast<const int32_t*>(a + r * a_stride + 2 * w);
+      c[r] = _mm512_dpbf16_ps(c[r], (__m512bh)_mm512_set1_epi32(aw), bw);
+    }
   }
+}
+
+// score_tiles on vectors: st [key][16 queries] for the visible keys, whole 16-key tiles (the
+// rows past `visible` in the last tile are computed and masked later, as on AMX).
+template <int D, typename KRows>
+PAGEDSERVE_INLINE void score_vec(
+    float* st, const c10::BFloat16* qt, const KRows& k_rows, int64_t visible, int64_t kstride) {
+  for (int64_t t0 = 0; t0 < visible; t0 += 16) {
+    __m512 c[16];
+    for (int r = 0; r < 16; ++r) c[r] = _mm512_setzero_ps();
+    dot_rows_vec(c, k_rows(t0), kstride / 2, qt, D / 2);  // qt's pair rows lie back to back
+    for (int r = 0; r < 16; ++r) _mm512_storeu_ps(st + (t0 + r) * 16, c[r]);
+  }
+}
+
+// pv_tiles on vectors: ot[D / 16] = V^T x P, 16 dims at a time over all vis_pad keys.
+template <int D>
+PAGEDSERVE_INLINE void pv_vec(
+    float (*ot)[16 * 16], const c10::BFloat16* pt, const c10::BFloat16* vt, int64_t vt_stride,
+    int64_t vis_pad) {
   for (int64_t j = 0; j < D / 16; ++j) {
-    __m512i r[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(ot[j] + i * 16);
-    transpose16_epi32(r);
-    for (int64_t n = 0; n < nq; ++n)
-      store16(out + n * out_stride + 16 * j,
-              _mm512_mul_ps(_mm512_castsi512_ps(r[n]), _mm512_set1_ps(inv[n])));
+    __m512 c[16];
+    for (int r = 0; r < 16; ++r) c[r] = _mm512_setzero_ps();
+    dot_rows_vec(c, vt + 16 * j * vt_stride, vt_stride, pt, vis_pad / 2);
+    for (int r = 0; r < 16; ++r) _mm512_storeu_ps(ot[j] + r * 16, c[r]);
   }
 }
 
 // nq <= 16 queries at positions pos0..pos0 + nq - 1 of one query head: keys k0 (a multiple
 // of 32) to visible - 1 are read (visible = pos0 + nq for a causal block; k0 = 0 without a
 // window), and the window, if any, masked; cap > 0 soft-caps the scores. lse, when given,
-// receives log(sum exp(scaled scores)) per query.
-template <int D, typename O>
-void prefill_block_amx(
+// receives log(sum exp(scaled scores)) per query. kAmx: tile products on AMX (tiles
+// configured by amx_configure_square), else on vectors.
+template <int D, typename O, bool kAmx>
+void prefill_block(
     O* out, int64_t out_stride, const c10::BFloat16* q, int64_t q_stride, int64_t nq,
     int64_t pos0, int64_t k0, int64_t visible, int64_t window, float cap,
     const c10::BFloat16* k_cache, const c10::BFloat16* vt, int64_t vt_stride,
@@ -292,25 +341,40 @@ void prefill_block_amx(
   auto k_rows = [&](int64_t t0) {
     return k_cache + cache_slot(blocks, k0 + t0, block_size) * token_stride + kv_head * D;
   };
-  score_tiles<D>(s.st.data(), s.qt.data(), k_rows, nkeys, token_stride * 2);
+#ifdef PAGEDSERVE_AMX
+  if constexpr (kAmx) {
+    score_tiles<D>(s.st.data(), s.qt.data(), k_rows, nkeys, token_stride * 2);
+  } else
+#endif
+  {
+    score_vec<D>(s.st.data(), s.qt.data(), k_rows, nkeys, token_stride * 2);
+  }
   if (cap > 0) cap_scores(s.st.data(), (nkeys + 15) / 16 * 256, cap / scale, scale / cap);
   const __mmask16 valid_q = nq >= 16 ? 0xffff : static_cast<__mmask16>((1u << nq) - 1);
   __m512 vmax, vsum;
   s.pt.resize(vis_pad * 16);
   numerators(s.pt.data(), s.st.data(), nkeys, vis_pad, pos0 - k0, window, valid_q, scale, vmax,
              vsum);
-  pv_tiles<D>(s.ot, s.pt.data(), vt + k0, vt_stride, vis_pad);
+#ifdef PAGEDSERVE_AMX
+  if constexpr (kAmx) {
+    pv_tiles<D>(s.ot, s.pt.data(), vt + k0, vt_stride, vis_pad);
+  } else
+#endif
+  {
+    pv_vec<D>(s.ot, s.pt.data(), vt + k0, vt_stride, vis_pad);
+  }
   store_rows<D>(out, out_stride, s.ot, nq, valid_q, vmax, vsum, scale, lse);
 }
 
-// prefill_block_amx for head_dim d (prefill_amx_applies: 64, 96, ..., 256).
-template <typename O, int... I>
+// prefill_block for head_dim d (prefill_shapes_ok: 64, 96, ..., 256).
+template <typename O, bool kAmx, int... I>
 constexpr auto prefill_block_table(std::integer_sequence<int, I...>) {
-  return std::array{&prefill_block_amx<64 + 32 * I, O>...};
+  return std::array{&prefill_block<64 + 32 * I, O, kAmx>...};
 }
-template <typename O>
+template <typename O, bool kAmx>
 auto prefill_block_for(int64_t d) {
-  static constexpr auto table = prefill_block_table<O>(std::make_integer_sequence<int, 7>{});
+  static constexpr auto table =
+      prefill_block_table<O, kAmx>(std::make_integer_sequence<int, 7>{});
   return table[(d - 64) / 32];
 }
 
@@ -333,7 +397,7 @@ void check_prefill_args(
                 "seq_lens, q_start, q_len: int32");
   const int64_t batch = seq_lens.numel(), heads = query.size(1), d = query.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(prefill_amx_applies(d, block_size), "shapes the AMX prefill does not cover");
+  TORCH_CHECK(prefill_shapes_ok(d, block_size), "shapes the prefill kernel does not cover");
   TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == d && v_cache.sizes() == k_cache.sizes(),
               "head shapes");
   TORCH_CHECK(q_start.numel() == batch && q_len.numel() == batch && block_table.size(0) == batch,
@@ -385,8 +449,13 @@ void build_vt(c10::BFloat16* dst, const c10::BFloat16* v_cache, const int32_t* b
   }
 }
 
+#ifdef PAGEDSERVE_AMX
+// On by default; set_amx_prefill(false) routes paged_attention_prefill to the vector body
+// (tests, benchmarks). The cascade's prefix pass stays on AMX.
+std::atomic<bool> amx_prefill_enabled{true};
+
 bool prefill_amx_applies(int64_t d, int64_t block_size) {
-  return d % 32 == 0 && d >= 64 && d <= 256 && block_size % 16 == 0 && amx_permitted();
+  return prefill_shapes_ok(d, block_size) && amx_permitted();
 }
 
 void prefill_block_amx_f32(
@@ -394,23 +463,42 @@ void prefill_block_amx_f32(
     int64_t nq, int64_t pos0, int64_t visible, const c10::BFloat16* k_cache,
     const c10::BFloat16* vt, int64_t vt_stride, const int32_t* blocks, int64_t block_size,
     int64_t token_stride, int64_t kv_head, float scale, PrefillScratch& s, float* lse) {
-  prefill_block_for<float>(d)(out, out_stride, q, q_stride, nq, pos0, 0, visible, 0, 0.0f,
-                              k_cache, vt, vt_stride, blocks, block_size, token_stride, kv_head,
-                              scale, s, lse);
+  prefill_block_for<float, true>(d)(out, out_stride, q, q_stride, nq, pos0, 0, visible, 0,
+                                    0.0f, k_cache, vt, vt_stride, blocks, block_size,
+                                    token_stride, kv_head, scale, s, lse);
 }
 #endif
+#endif  // PAGEDSERVE_AVX512BF16
 
-// Whether paged_attention_prefill can run these shapes (bf16 caches, on AMX).
-bool amx_prefill_supported(int64_t head_dim, int64_t block_size) {
+// The body paged_attention_prefill runs for these shapes: "amx", "avx512_bf16", or "" where
+// it cannot run them (no AVX-512 BF16 in this build, or head_dim / block_size outside it).
+std::string prefill_kernel(int64_t head_dim, int64_t block_size) {
+#ifdef PAGEDSERVE_AVX512BF16
+  if (!prefill_shapes_ok(head_dim, block_size)) return "";
 #ifdef PAGEDSERVE_AMX
-  return prefill_amx_applies(head_dim, block_size);
+  if (amx_prefill_enabled.load(std::memory_order_relaxed) && amx_permitted()) return "amx";
+#endif
+  return "avx512_bf16";
 #else
+  return "";
+#endif
+}
+
+bool prefill_supported(int64_t head_dim, int64_t block_size) {
+  return !prefill_kernel(head_dim, block_size).empty();
+}
+
+bool set_amx_prefill(bool enabled) {
+#ifdef PAGEDSERVE_AMX
+  return amx_prefill_enabled.exchange(enabled);
+#else
+  (void)enabled;
   return false;
 #endif
 }
 
 // Attention for sequences with any number of new tokens over their paged K/V, bottom-right
-// causal (see prefill_block_amx): sequence i's queries are rows q_start[i] .. q_start[i] +
+// causal (see prefill_block): sequence i's queries are rows q_start[i] .. q_start[i] +
 // q_len[i] of query, and its output goes to the same rows of out; other rows are untouched.
 // window > 0: each query sees its last `window` keys; softcap > 0: logit soft-capping.
 void paged_attention_prefill(
@@ -418,7 +506,7 @@ void paged_attention_prefill(
     const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& q_start,
     const at::Tensor& q_len, const at::Tensor& seq_lens, double scale, int64_t window,
     double softcap) {
-#ifdef PAGEDSERVE_AMX
+#ifdef PAGEDSERVE_AVX512BF16
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   check_prefill_args(out, query, k_cache, v_cache, block_table, q_start, q_len, seq_lens);
   const int64_t batch = seq_lens.numel(), heads = query.size(1), d = query.size(2);
@@ -459,6 +547,12 @@ void paged_attention_prefill(
   // tasks: (sequence, query head, 16-query block)
   std::vector<int64_t> task_off(batch + 1, 0);
   for (int64_t b = 0; b < batch; ++b) task_off[b + 1] = task_off[b] + heads * ((ql[b] + 15) / 16);
+  const bool amx = prefill_kernel(d, block_size) == "amx";
+  const auto block_fn =
+#ifdef PAGEDSERVE_AMX
+      amx ? prefill_block_for<c10::BFloat16, true>(d) :
+#endif
+          prefill_block_for<c10::BFloat16, false>(d);
   auto run_tasks = [&](int64_t begin, int64_t end, PrefillScratch& scratch) {
     int64_t b = std::upper_bound(task_off.begin(), task_off.end(), begin) - task_off.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
@@ -469,7 +563,7 @@ void paged_attention_prefill(
       const int64_t pad = (len + 31) / 32 * 32, row0 = qs[b] + j0;
       const int64_t pos0 = len - q_len + j0;  // from kb[b]
       const int64_t k0 = window_start(pos0, window) / 32 * 32;  // whole 32-key steps of V^T
-      prefill_block_for<c10::BFloat16>(d)(
+      block_fn(
           op + row0 * out.stride(0) + head * d, out.stride(0),
           qp + row0 * query.stride(0) + head * d, query.stride(0), nq, pos0, k0, pos0 + nq,
           window, cap, kp, vt + vt_off[b] + h * d * pad, pad, bt + b * bt_stride + first_block[b],
@@ -477,14 +571,18 @@ void paged_attention_prefill(
     }
   };
   WorkQueue(task_off[batch]).run([&](WorkQueue& queue) {
-    amx_configure_square();
+#ifdef PAGEDSERVE_AMX
+    if (amx) amx_configure_square();
+#endif
     PrefillScratch scratch;
     int64_t begin, end;
     while (queue.take(begin, end)) run_tasks(begin, end, scratch);
-    _tile_release();
+#ifdef PAGEDSERVE_AMX
+    if (amx) _tile_release();
+#endif
   });
 #else
-  TORCH_CHECK(false, "built without AMX support");
+  TORCH_CHECK(false, "built without AVX-512 BF16 support");
 #endif
 }
 

@@ -13,7 +13,9 @@
 //     set_amx_decode           route bf16 decode to AMX or AVX-512; returns the old setting
 //     decode_kernel            which body paged_attention_decode runs for a query and cache
 //   prefill.cpp
-//     amx_prefill_supported    whether paged_attention_prefill covers these shapes
+//     prefill_supported        whether paged_attention_prefill covers these shapes
+//     prefill_kernel           which body it runs for them: "amx", "avx512_bf16" or ""
+//     set_amx_prefill          route it to AMX or the AVX-512 BF16 body; returns the old setting
 //     paged_attention_prefill  any number of new tokens per sequence, bottom-right causal,
 //                              with an optional sliding window and logit soft-capping
 //   cascade.cpp
@@ -61,7 +63,9 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("amx_available", &amx_available);
   m.def("set_amx_decode", &set_amx_decode);
   m.def("decode_kernel", &decode_kernel);
-  m.def("amx_prefill_supported", &amx_prefill_supported);
+  m.def("prefill_supported", &prefill_supported);
+  m.def("prefill_kernel", &prefill_kernel);
+  m.def("set_amx_prefill", &set_amx_prefill);
   m.def(
       "paged_attention_prefill(Tensor out, Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_table, Tensor q_start, Tensor q_len, Tensor seq_lens, float scale, "
