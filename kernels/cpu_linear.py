@@ -2,10 +2,12 @@
 
 torch's F.linear repacks the weight on every call; a pre-packed weight skips that. Prefill-sized
 calls go to oneDNN with a weight packed for many rows. Decode-sized calls (up to AMX_MAX_ROWS)
-go to our AMX kernel (kernels/csrc/linear.cpp, amx_linear) where the CPU has AMX, which streams
-the weight once; otherwise to oneDNN with a packing tuned for few rows. Narrow linears (at most
+go to our kernel (kernels/csrc/linear.cpp, dense_linear), which streams the weight once: on AMX
+tiles where the CPU has AMX, else on AVX-512 BF16 vectors (the same packed weight); otherwise
+(neither) to oneDNN with a packing tuned for few rows. Narrow linears (at most
 AMX_NARROW_MAX_OUT outputs) take the AMX kernel at every row count, as it splits the output
-columns over all threads. The row and width thresholds come from measurements: bench/README.md
+columns over all threads (not the vector body: measured on AMX only). The row and width
+thresholds come from measurements: bench/README.md
 ("Narrow linears") and bench/cpu_ab.py rerun them. Same math as F.linear: bf16 inputs, float32
 accumulation, the bias added in float32, one rounding to bf16.
 
@@ -15,8 +17,8 @@ length made memory grow for thousands of requests: oneDNN calls run on rows padd
 a few sizes per doubling (onednn_rows()), which bounds both caches and the compiling, for at
 most 1/8 more rows past 128 (bench/onednn_rows.py measures both, exact against padded).
 
-Batch invariance (kernels.cpu_ops.batch_invariant()): the AMX kernel takes every call, so a
-row's result is the same bits at any row count (it runs each row's K loop alone; oneDNN picks
+Batch invariance (kernels.cpu_ops.batch_invariant()): our kernel takes every call, so a row's
+result is the same bits at any row count (both bodies run each row's K loop alone; oneDNN picks
 its blocking by M).
 """
 
@@ -48,7 +50,7 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 class PackedLinear(nn.Module):
     """linear: an nn.Linear or engine.layers.Linear (weight [out, in], bias or None).
-    ops: kernels.cpu_ops, whose AMX kernel then takes the calls it fits, or None."""
+    ops: kernels.cpu_ops, whose dense_linear then takes the calls it fits, or None."""
 
     def __init__(self, linear: nn.Module, ops=None) -> None:
         super().__init__()
@@ -57,9 +59,12 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().to(w.dtype)
         self.large = torch.ops.mkldnn._reorder_linear_weight(w, PREFILL_ROWS)
         self.ops = ops if _amx_fits(ops, w) else None
-        self.amx: torch.Tensor | None = None  # the AMX kernel's packing (ops.decode_layers too)
-        # every row count to the AMX kernel: a row's bits then do not depend on the batch
+        # dense_linear's packing, AMX's B-tile layout (ops.decode_layers reads it too)
+        self.amx: torch.Tensor | None = None
+        self.kernel = "onednn" if self.ops is None else self.ops.dense_linear_kernel()
+        # every row count to our kernel: a row's bits then do not depend on the batch
         self.amx_max_rows = AMX_MAX_ROWS
+        self.narrow = self.kernel == "amx" and self.out_features <= AMX_NARROW_MAX_OUT
         if self.ops is not None:
             self.amx = self.ops.amx_pack_weight(w)
             if batch_invariant():
@@ -69,12 +74,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         rows = x.shape[0]
-        if self.ops is not None and (
-            rows <= self.amx_max_rows or self.out_features <= AMX_NARROW_MAX_OUT
-        ):
+        if self.ops is not None and (rows <= self.amx_max_rows or self.narrow):
             out = x.new_empty(rows, self.out_features)
             x = x if x.stride(-1) == 1 else x.contiguous()
-            self.ops.amx_linear(out, x, self.amx, self.bias)
+            self.ops.dense_linear(out, x, self.amx, self.bias)
             return out
         small = self.ops is None and rows <= SMALL_MAX_ROWS
         packed = self.small if small else self.large
@@ -109,8 +112,9 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def _amx_fits(ops, w: torch.Tensor) -> bool:
+    """dense_linear runs here (AMX or AVX-512 BF16) and w fits amx_pack_weight's layout."""
     n, k = w.shape
-    return ops is not None and ops.amx_available() and n % 16 == 0 and k % 32 == 0
+    return ops is not None and ops.dense_linear_kernel() != "" and n % 16 == 0 and k % 32 == 0
 
 
 def pack_linears(model: nn.Module, ops=None) -> int:

@@ -89,6 +89,33 @@ def _prefill_available() -> bool:
     return loaded is not None and bool(loaded.prefill_supported(64, 16))
 
 
+def _dense_available() -> bool:
+    """dense_linear (and so the fused decode step) runs here: AMX, or AVX-512 BF16 vectors."""
+    if not cpu_kernels_enabled():
+        return False
+    loaded = load_cpu_ops()
+    return loaded is not None and loaded.dense_linear_kernel() != ""
+
+
+needs_dense_linear = pytest.mark.skipif(
+    not _dense_available(),
+    reason="no dense_linear here: the CPU (or the build) has neither AMX nor AVX-512 BF16",
+)
+
+
+@contextlib.contextmanager
+def dense_body(ops, body: str):
+    """dense_linear on the named body for the duration (skips where it cannot run)."""
+    if body == "amx" and not _amx_available():
+        pytest.skip("no AMX here")
+    previous = ops.set_amx_dense_linear(body == "amx")
+    try:
+        assert ops.dense_linear_kernel() == body
+        yield
+    finally:
+        ops.set_amx_dense_linear(previous)
+
+
 needs_prefill_kernel = pytest.mark.skipif(
     not _prefill_available(),
     reason="no prefill kernel here: the CPU (or the build) has neither AMX nor AVX-512 BF16",
@@ -554,6 +581,64 @@ def test_amx_linear_is_the_same_on_any_number_of_threads(ops, m):
         assert torch.equal(out, outs[0])
 
 
+@needs_dense_linear
+@pytest.mark.parametrize("body", ["amx", "avx512_bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("n,k", [(48, 64), (256, 96), (1040, 256)])  # 3, 16, 65 column tiles
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 17, 32, 33])
+def test_dense_linear_matches_f_linear(ops, body, bias, m, n, k):
+    """Both bodies of dense_linear on the same packed weight: F.linear's value (a rare one-ulp
+    flip from summation order), strided rows in and out, nothing outside out written."""
+    gen = torch.Generator().manual_seed(m * n + k + bias)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    packed = ops.amx_pack_weight(w)
+    x = torch.randn(m, k + 32, generator=gen).bfloat16()[:, :k]
+    out_buf = torch.full((m, n + 16), 7.0, dtype=torch.bfloat16)
+    out = out_buf[:, :n].fill_(float("nan"))
+    with dense_body(ops, body):
+        ops.dense_linear(out, x, packed, b)
+    assert_matches_linear(out, F.linear(x, w, b))
+    assert torch.equal(out_buf[:, n:], torch.full((m, 16), 7.0, dtype=torch.bfloat16))
+
+
+@needs_dense_linear
+@pytest.mark.parametrize("body", ["amx", "avx512_bf16"])
+def test_dense_linear_rows_do_not_depend_on_the_batch_or_the_threads(ops, body):
+    """A row's bits are the same alone, among 37 rows and on 1, 2 or 3 threads: the property
+    --batch-invariant builds on."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 1040, 192
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    packed = ops.amx_pack_weight(w)
+    x = torch.randn(37, k, generator=gen).bfloat16()
+    with dense_body(ops, body):
+        outs = []
+        for threads in (1, 2, 3):
+            out = torch.empty(37, n, dtype=torch.bfloat16)
+            with num_threads(threads):
+                ops.dense_linear(out, x, packed)
+            outs.append(out)
+        for i in (0, 5, 36):
+            alone = torch.empty(1, n, dtype=torch.bfloat16)
+            ops.dense_linear(alone, x[i : i + 1], packed)
+            assert torch.equal(alone[0], outs[0][i]), i
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_dense_linear_refuses_what_the_packing_does_not_fit(ops):
+    if not _dense_available():
+        pytest.skip("no dense_linear here")
+    packed = ops.amx_pack_weight(torch.zeros(48, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="shapes"):
+        ops.dense_linear(torch.empty(2, 48, dtype=torch.bfloat16),
+                         torch.zeros(2, 96, dtype=torch.bfloat16), packed)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.dense_linear(torch.empty(2, 48, dtype=torch.bfloat16),
+                         torch.zeros(2, 64, dtype=torch.bfloat16), packed,
+                         torch.zeros(32, dtype=torch.bfloat16))
+
+
 def test_amx_pack_weight_rejects_unaligned_shapes(ops):
     with pytest.raises(RuntimeError, match="N % 16"):
         ops.amx_pack_weight(torch.zeros(40, 64, dtype=torch.bfloat16))
@@ -575,9 +660,9 @@ def test_packed_linear_equals_f_linear(ops, bias, n, k):
     if bias:
         linear.bias.data = torch.randn(n, generator=gen).bfloat16()
     packed = PackedLinear(linear, ops)
-    # The AMX kernel adds a bias in float32 before its one rounding, so it takes biased ones too.
-    amx = _amx_available() and n % 16 == 0 and k % 32 == 0
-    assert (packed.ops is not None) == amx, "AMX kernel taken or skipped wrongly"
+    # dense_linear adds a bias in float32 before its one rounding, so it takes biased ones too.
+    dense = _dense_available() and n % 16 == 0 and k % 32 == 0
+    assert (packed.ops is not None) == dense, "dense_linear taken or skipped wrongly"
     with torch.inference_mode():
         for rows in ROWS:
             x = torch.randn(rows, k, generator=gen).bfloat16()
@@ -586,24 +671,29 @@ def test_packed_linear_equals_f_linear(ops, bias, n, k):
         assert_matches_linear(packed(x), F.linear(x, linear.weight, linear.bias))
 
 
-@needs_amx
-def test_packed_linear_routes_narrow_outputs_to_amx_at_every_row_count(ops):
-    """Up to AMX_NARROW_MAX_OUT outputs the AMX kernel takes prefill-sized calls too; wider
-    linears take it only up to AMX_MAX_ROWS rows and leave the rest to oneDNN."""
+@needs_dense_linear
+@pytest.mark.parametrize("body", ["amx", "avx512_bf16"])
+def test_packed_linear_routes_narrow_outputs_to_amx_at_every_row_count(ops, body):
+    """On AMX, up to AMX_NARROW_MAX_OUT outputs our kernel takes prefill-sized calls too; wider
+    linears (and every linear on the vector body) take it only up to AMX_MAX_ROWS rows and leave
+    the rest to oneDNN."""
     gen = torch.Generator().manual_seed(12)
     calls = []
     spy = _spy(ops, calls)
-    for n, amx_rows in ((AMX_NARROW_MAX_OUT, ROWS), (AMX_NARROW_MAX_OUT + 16, ROWS[:3])):
+    narrow_rows = ROWS if body == "amx" else ROWS[:3]
+    for n, amx_rows in ((AMX_NARROW_MAX_OUT, narrow_rows), (AMX_NARROW_MAX_OUT + 16, ROWS[:3])):
         linear = nn.Linear(64, n, bias=False).bfloat16()
         linear.weight.data = torch.randn(n, 64, generator=gen).bfloat16()
-        packed = PackedLinear(linear, spy)
+        with dense_body(ops, body):
+            packed = PackedLinear(linear, spy)
+        assert packed.kernel == body
         taken = []
         with torch.inference_mode():
             for rows in ROWS:
                 calls.clear()
                 x = torch.randn(rows, 64, generator=gen).bfloat16()
                 assert_matches_linear(packed(x), F.linear(x, linear.weight))
-                if "amx_linear" in calls:
+                if "dense_linear" in calls:
                     taken.append(rows)
         assert taken == amx_rows, f"{n} outputs"
 
@@ -657,7 +747,7 @@ def test_pack_linears_swaps_every_linear(ops):
     assert pack_linears(model, ops) == 2
     assert isinstance(model[0], PackedLinear) and isinstance(model[1][1], PackedLinear)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert (model[0].ops is not None) == _amx_available() and model[1][1].ops is None
+    assert (model[0].ops is not None) == _dense_available() and model[1][1].ops is None
     with torch.inference_mode():
         for x, w in zip(xs, want):
             assert_matches_linear(model(x), w)
@@ -755,7 +845,7 @@ def test_model_logits_with_kernels_match_torch_ops(ops, kernel_model_dir, monkey
     assert on.model.norm.ops is ops and off.model.norm.ops is None
     if dtype == torch.bfloat16:  # packed linears either way; the AMX kernel only with ops
         assert isinstance(on.model.layers[0].mlp.down_proj.packed, PackedLinear)
-        assert (on.model.layers[0].mlp.down_proj.packed.ops is not None) == _amx_available()
+        assert (on.model.layers[0].mlp.down_proj.packed.ops is not None) == _dense_available()
         assert off.model.layers[0].mlp.down_proj.packed.ops is None
     gen = torch.Generator().manual_seed(7)
     prompt_lens = [3, 16, 21, 40, 9]  # five sequences: the per-sequence decode path
@@ -1162,7 +1252,7 @@ def test_llm_shared_prefix_decodes_take_the_cascade_and_keep_greedy_tokens(
 
 
 # ---- a decode step through every layer in one call ----------------------------------------------
-@needs_amx
+@needs_dense_linear
 @pytest.mark.parametrize("shared", [False, True], ids=["decode", "cascade"])
 def test_fused_decode_step_is_bit_identical_to_the_layer_by_layer_path(
     ops, kernel_model_dir, monkeypatch, shared
@@ -1171,6 +1261,9 @@ def test_fused_decode_step_is_bit_identical_to_the_layer_by_layer_path(
     same logits and same K/V caches to the bit, with the decode kernel and with the cascade over
     a shared prefix (10 sequences whose first 9 blocks are the same 144 tokens)."""
     from engine.fused_decode import FusedDecode
+
+    if shared and not _amx_available():
+        pytest.skip("the cascade kernel runs on AMX only")
 
     model = _load(kernel_model_dir, torch.bfloat16, ops, monkeypatch)
     gen = torch.Generator().manual_seed(5)
@@ -1212,7 +1305,7 @@ def test_fused_decode_step_is_bit_identical_to_the_layer_by_layer_path(
     assert plans and all(p == shared for p in plans), "cascade taken where it should not be"
 
 
-@needs_amx
+@needs_dense_linear
 def test_llm_decode_steps_run_fused_with_the_tokens_of_the_layer_by_layer_path(
     kernel_model_dir, ops, monkeypatch
 ):

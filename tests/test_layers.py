@@ -140,8 +140,9 @@ def test_linear_kernel_matches_oracle(ops, bias):
     kernel, oracle = _pair(make, ops)
     assert (kernel.impl, oracle.impl) == (CPU, PACKED)
     assert isinstance(kernel.packed, PackedLinear) and kernel.weight is None
-    amx = bool(ops.amx_available())  # the AMX kernel adds a bias in float32 before its rounding
-    assert (kernel.kernel_weight is not None) == amx and oracle.kernel_weight is None
+    # dense_linear adds a bias in float32 before its rounding, so it takes biased linears too
+    dense = bool(ops.dense_linear_kernel())
+    assert (kernel.kernel_weight is not None) == dense and oracle.kernel_weight is None
     native = make()
     assert native.impl == NATIVE  # not selected: the oracle
     with torch.inference_mode():
@@ -229,8 +230,8 @@ def test_kernels_off_select_oracles_and_run_no_kernel(ops, layer_model_dir, monk
     assert calls == [], "the kernels-off model called a kernel"
     got = _forward(on)
     kernels = {"rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"}
-    if dtype == torch.bfloat16 and ops.amx_available():
-        kernels.add("amx_linear")
+    if dtype == torch.bfloat16 and ops.dense_linear_kernel():
+        kernels.add("dense_linear")
     assert kernels <= set(calls), f"kernels not run: {kernels - set(calls)}"
     tol = (5e-2 if dtype == torch.bfloat16 else 1e-4) * want.abs().max().item()
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
@@ -263,8 +264,8 @@ def test_select_impls_counts_each_layer_once(ops):
 
 # ---- the fused decode step: built from the layers, declines what it does not cover -------------
 def test_fused_decode_builds_for_llama_in_bf16_only(ops, layer_model_dir, monkeypatch):
-    if not ops.amx_available():
-        pytest.skip("no AMX: the fused decode step needs the AMX linears")
+    if not ops.dense_linear_kernel():
+        pytest.skip("the fused decode step needs dense_linear (AMX or AVX-512 BF16)")
     bf16, backend = _load(layer_model_dir, ops, torch.bfloat16, monkeypatch)
     assert FusedDecode.build(bf16, backend) is not None
     assert FusedDecode.build(bf16, TorchAttentionBackend()) is None  # no fused step declared
@@ -275,8 +276,8 @@ def test_fused_decode_builds_for_llama_in_bf16_only(ops, layer_model_dir, monkey
 def test_fused_decode_declines_models_it_does_not_cover(
     ops, layer_model_dir, monkeypatch, tmp_path
 ):
-    if not ops.amx_available():
-        pytest.skip("no AMX: the fused decode step needs the AMX linears")
+    if not ops.dense_linear_kernel():
+        pytest.skip("the fused decode step needs dense_linear (AMX or AVX-512 BF16)")
     from conftest import build_tiny_model_dir
 
     biased = build_tiny_model_dir(

@@ -62,7 +62,7 @@ LinearW amx_weight(const at::Tensor& packed) {
 void run_linear(const at::Tensor& out, const at::Tensor& x, const LinearW& w,
                 const at::Tensor* bias) {
   if (w.amx != nullptr) {
-    amx_linear(out, x, *w.amx, maybe(bias));
+    dense_linear(out, x, *w.amx, maybe(bias));
     return;
   }
   if (x.size(0) >= kGgufGemmMinRows && gguf_gemm_available()) {

@@ -11,6 +11,27 @@
 
 namespace pagedserve_cpu {
 
+namespace {
+
+void check_linear_args(
+    const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+    const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "bf16");
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(
+      packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16,
+      "packed must come from amx_pack_weight");
+  const int64_t m = x.size(0), k = x.size(1), nt = packed.size(0), kt = packed.size(1);
+  TORCH_CHECK(kt * 32 == k && out.size(1) == nt * 16 && out.size(0) == m, "shapes");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
+                    bias->dim() == 1 && bias->size(0) == nt * 16,
+                "bias: [N] bf16, contiguous");
+}
+
+}  // namespace
+
 #ifdef PAGEDSERVE_AMX
 namespace {
 
@@ -172,22 +193,78 @@ PAGEDSERVE_INLINE void run_chunks(
   }
 }
 
-void check_amx_linear_args(
-    const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-    const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16, "bf16");
-  check_rows(x, "x");
-  check_rows(out, "out");
-  TORCH_CHECK(
-      packed.dim() == 5 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16,
-      "packed must come from amx_pack_weight");
+}  // namespace
+#endif
+
+#ifdef PAGEDSERVE_AVX512BF16
+namespace {
+
+// The vector body of dense_linear (no AMX): the same packed weight, whose 16-column tile nt is
+// one contiguous stream of K / 2 rows of 64 bytes (k pair p: 16 columns x 2 bf16). R rows of x
+// by 4 tiles (64 columns) per block: per k pair, 4 weight rows and R broadcast x pairs feed
+// 4R vdpbf16ps into float32 accumulators; the bias is added in float32 before the one
+// rounding to bf16, as on AMX. Tiles past the last are clamped to it and not stored.
+template <int R>
+void vec_block(const c10::BFloat16* const* xr, int64_t k, const c10::BFloat16* wp, int64_t nt,
+               int64_t kt, int64_t nt0, c10::BFloat16* const* orow,
+               const c10::BFloat16* bias) {
+  const c10::BFloat16* b[4];
+  for (int j = 0; j < 4; ++j) b[j] = wp + std::min<int64_t>(nt0 + j, nt - 1) * kt * 512;
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t pairs = k / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh bv[4];
+    for (int j = 0; j < 4; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b[j] + p * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a =
+          (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xr[r] + 2 * p));
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, bv[j]);
+    }
+  }
+  const int64_t tiles = std::min<int64_t>(4, nt - nt0);
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < tiles; ++j) {
+      __m512 v = acc[r][j];
+      if (bias != nullptr) v = _mm512_add_ps(v, load16(bias + (nt0 + j) * 16));
+      store16(orow[r] + (nt0 + j) * 16, v);
+    }
+}
+
+void dense_linear_vec(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                      const std::optional<at::Tensor>& bias) {
   const int64_t m = x.size(0), k = x.size(1), nt = packed.size(0), kt = packed.size(1);
-  TORCH_CHECK(kt * 32 == k && out.size(1) == nt * 16 && out.size(0) == m, "shapes");
-  if (bias.has_value())
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
-                    bias->dim() == 1 && bias->size(0) == nt * 16,
-                "bias: [N] bf16, contiguous");
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = packed.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t ldx = x.stride(0), os = out.stride(0);
+  const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  const int64_t chunks = (nt + 3) / 4;  // 64 output columns each
+  // Threads take column chunks; each runs every row over its chunk, 4 rows at a time, so the
+  // chunk's weights are read from memory once and from cache by the later rows.
+  WorkQueue(chunks).run([&](WorkQueue& queue) {
+    int64_t begin, end;
+    while (queue.take(begin, end)) {
+      for (int64_t chunk = begin; chunk < end; ++chunk) {
+        for (int64_t m0 = 0; m0 < m; m0 += 4) {
+          const int64_t rows = std::min<int64_t>(4, m - m0);
+          const c10::BFloat16* xr[4];
+          c10::BFloat16* orow[4];
+          for (int64_t r = 0; r < rows; ++r) {
+            xr[r] = xp + (m0 + r) * ldx;
+            orow[r] = op + (m0 + r) * os;
+          }
+          switch (rows) {
+            case 4: vec_block<4>(xr, k, wp, nt, kt, chunk * 4, orow, bp); break;
+            case 3: vec_block<3>(xr, k, wp, nt, kt, chunk * 4, orow, bp); break;
+            case 2: vec_block<2>(xr, k, wp, nt, kt, chunk * 4, orow, bp); break;
+            default: vec_block<1>(xr, k, wp, nt, kt, chunk * 4, orow, bp); break;
+          }
+        }
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -209,10 +286,49 @@ at::Tensor amx_pack_weight(const at::Tensor& w) {
   return w.contiguous().view({n / 16, 16, k / 32, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous();
 }
 
+// On by default; set_amx_dense_linear(false) sends dense_linear to the vector body (tests).
+std::atomic<bool> amx_dense_enabled{true};
+
+bool dense_on_amx() {
+#ifdef PAGEDSERVE_AMX
+  return amx_dense_enabled.load(std::memory_order_relaxed) && amx_permitted();
+#else
+  return false;
+#endif
+}
+
+bool set_amx_dense_linear(bool enabled) { return amx_dense_enabled.exchange(enabled); }
+
+// Which body dense_linear runs: "amx", "avx512_bf16", or "" where neither can.
+std::string dense_linear_kernel() {
+  if (dense_on_amx()) return "amx";
+#ifdef PAGEDSERVE_AVX512BF16
+  return "avx512_bf16";
+#else
+  return "";
+#endif
+}
+
+// amx_linear where AMX is, else its vector body (AVX-512 BF16) on the same packed weight.
+void dense_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                  const std::optional<at::Tensor>& bias) {
+#ifdef PAGEDSERVE_AMX
+  if (dense_on_amx()) return amx_linear(out, x, packed, bias);
+#endif
+#ifdef PAGEDSERVE_AVX512BF16
+  check_linear_args(out, x, packed, bias);
+  dense_linear_vec(out, x, packed, bias);
+#else
+  (void)out, (void)x, (void)packed, (void)bias;
+  TORCH_CHECK(false, "built without AMX or AVX-512 BF16 support");
+#endif
+}
+
 void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                 const std::optional<at::Tensor>& bias) {
 #ifdef PAGEDSERVE_AMX
-  check_amx_linear_args(out, x, packed, bias);
+  TORCH_CHECK(amx_permitted(), "AMX is not available to this process");
+  check_linear_args(out, x, packed, bias);
   LinearCall c;
   c.m = x.size(0), c.k = x.size(1), c.nt = packed.size(0), c.kt = packed.size(1);
   const int64_t m_pad = (c.m + 15) / 16 * 16, k = c.k;

@@ -55,6 +55,10 @@ at::Tensor argmax_rows(const at::Tensor& x);
 // linear.cpp
 bool amx_available();
 at::Tensor amx_pack_weight(const at::Tensor& w);
+std::string dense_linear_kernel();
+bool set_amx_dense_linear(bool enabled);
+void dense_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                  const std::optional<at::Tensor>& bias);
 void amx_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                 const std::optional<at::Tensor>& bias = std::nullopt);
 

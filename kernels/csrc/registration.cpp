@@ -27,6 +27,9 @@
 //     amx_available            whether this build and process may use AMX
 //     amx_pack_weight          a bf16 weight [N, K] in AMX B-tile layout
 //     amx_linear               out = x @ W^T (+ bias) for any rows, W from amx_pack_weight
+//     dense_linear             amx_linear where AMX is, else its AVX-512 BF16 vector body
+//     dense_linear_kernel      which body dense_linear runs: "amx", "avx512_bf16" or ""
+//     set_amx_dense_linear     route dense_linear to AMX or the vector body; returns the old one
 //   experts.cpp
 //     moe_experts              routed tokens through their SwiGLU experts, packed by amx_pack_weight
 //   quant_linear.cpp
@@ -76,6 +79,10 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("argmax_rows", &argmax_rows);
   m.def("amx_pack_weight", &amx_pack_weight);
   m.def("amx_linear(Tensor out, Tensor x, Tensor packed, Tensor? bias=None) -> ()", &amx_linear);
+  m.def("dense_linear(Tensor out, Tensor x, Tensor packed, Tensor? bias=None) -> ()",
+        &dense_linear);
+  m.def("dense_linear_kernel", &dense_linear_kernel);
+  m.def("set_amx_dense_linear", &set_amx_dense_linear);
   m.def("moe_experts", &moe_experts);
   m.def("decode_layers", &decode_layers);
   m.def("decode_layers_mixed", &decode_layers_mixed);
