@@ -16,8 +16,8 @@ from tests.conftest import build_tiny_model_dir, make_prompts
 
 ops = load_cpu_ops()
 pytestmark = pytest.mark.skipif(
-    ops is None or not ops.amx_available() or not ops.prefill_supported(64, 16),
-    reason="batch invariance is built on the AMX linear and prefill kernels",
+    ops is None or not ops.dense_linear_kernel() or not ops.prefill_supported(64, 16),
+    reason="batch invariance is built on dense_linear and the prefill kernel (AMX or AVX-512 BF16)",
 )
 
 
@@ -33,7 +33,7 @@ def test_the_flag_reads_pagedserve_and_vllm_env_vars(monkeypatch):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_amx_linear_row_bits_do_not_depend_on_the_row_count(bias):
+def test_dense_linear_row_bits_do_not_depend_on_the_row_count(bias):
     """Every row count (1, decode sizes, prefill sizes) gives each row the bits it gets alone;
     the bias is added in float32 before the one rounding."""
     gen = torch.Generator().manual_seed(3)
@@ -44,10 +44,10 @@ def test_amx_linear_row_bits_do_not_depend_on_the_row_count(bias):
     x = torch.randn(70, k, generator=gen).bfloat16()
     alone = torch.empty(70, n, dtype=torch.bfloat16)
     for r in range(70):
-        ops.amx_linear(alone[r : r + 1], x[r : r + 1], packed, b)
+        ops.dense_linear(alone[r : r + 1], x[r : r + 1], packed, b)
     for m in (2, 16, 17, 32, 33, 70):
         out = torch.empty(m, n, dtype=torch.bfloat16)
-        ops.amx_linear(out, x[:m], packed, b)
+        ops.dense_linear(out, x[:m], packed, b)
         assert torch.equal(out, alone[:m]), f"{m} rows"
     want = x.float() @ w.float().T + (0 if b is None else b.float())
     torch.testing.assert_close(alone.float(), want.bfloat16().float(), rtol=2**-7, atol=1e-3)
