@@ -37,7 +37,7 @@ PREFILL_D256_MAX_KEYS = 2048
 # --head-dim-case).
 PREFILL_LONG_MAX_HEAD_DIM = 128
 # Decode steps up to this many sequences run every layer in one kernel call (ops.decode_layers);
-# the AMX linears take every decode-sized call up to here (kernels/cpu_linear.py AMX_MAX_ROWS).
+# dense_linear takes every decode-sized call up to here (kernels/cpu_linear.py AMX_MAX_ROWS).
 FUSED_DECODE_MAX_ROWS = 32
 
 

@@ -41,9 +41,10 @@ BATCH_INVARIANT_ENV = ("PAGEDSERVE_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT")
 
 def batch_invariant() -> bool:
     """Whether the kernels compute each row in an order that does not depend on the batch: the
-    AMX linears at every row count, and all attention (decode rows too) through the prefill
-    kernel, no cascade. It holds where those kernels cover the model (bf16, AMX, head_dim a
-    multiple of 32 from 64 to 256, block_size a multiple of 16); elsewhere the usual paths run.
+    linears on dense_linear at every row count, and all attention (decode rows too) through the
+    prefill kernel, no cascade. It holds where those kernels cover the model (bf16, AMX or
+    AVX-512 BF16, head_dim a multiple of 32 from 64 to 256, block_size a multiple of 16);
+    elsewhere the usual paths run.
     Read when a model loads (kernels/cpu_linear.py, kernels/cpu_backend.py);
     bench/batch_invariance.py measures the check and the cost."""
     return any(
