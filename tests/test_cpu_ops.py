@@ -1124,18 +1124,20 @@ def cascade_reference(query, k_cache, v_cache, prefix, prefix_len, table, suffix
     return torch.stack(out)
 
 
-@needs_amx
+@needs_prefill_kernel
+@pytest.mark.parametrize("body", PREFILL_BODIES)
 @pytest.mark.parametrize("case", CASCADE_CASES, ids=_cascade_id)
-def test_paged_attention_cascade_matches_reference(ops, case):
+def test_paged_attention_cascade_matches_reference(ops, case, body):
     """Within the AMX decode kernel's bounds: numerators rounded to bf16 in each part, the
-    parts merged by log-sum-exp in float32 and rounded once."""
+    parts merged by log-sum-exp in float32 and rounded once; on AMX and on the vector body
+    (the prefill kernel's block for the suffixes too)."""
     prefix_len, suffix_lens, head_dim = case[4], case[5], case[3]
     k_cache, v_cache, prefix, table, query = make_cascade(case, torch.Generator().manual_seed(5))
     out_buf = torch.full((len(suffix_lens), query.shape[1], head_dim + 8), 7.0).bfloat16()
     out = out_buf[..., :head_dim].fill_(float("nan"))
     lens = torch.tensor(suffix_lens, dtype=torch.int32)
     scale = head_dim**-0.5
-    with num_threads(THREADS):
+    with num_threads(THREADS), prefill_body(ops, body):
         ops.paged_attention_cascade(
             out, query, k_cache, v_cache, prefix, prefix_len, table, lens, scale
         )
@@ -1147,7 +1149,7 @@ def test_paged_attention_cascade_matches_reference(ops, case):
     assert (got - want).abs().mean().item() < 5e-4, "beyond bf16 rounding on average"
 
 
-@needs_amx
+@needs_prefill_kernel
 def test_paged_attention_cascade_refuses_bad_arguments(ops):
     case = (16, 4, 2, 64, 32, [5, 20])
     k_cache, v_cache, prefix, table, query = make_cascade(case, torch.Generator().manual_seed(6))
@@ -1173,7 +1175,7 @@ def test_paged_attention_cascade_refuses_bad_arguments(ops):
         call(**good, q=query.float())
 
 
-@needs_amx
+@needs_prefill_kernel
 @pytest.mark.parametrize("head_dim", [64, 96])
 def test_torch_backend_routes_shared_prefix_decodes_through_the_cascade(ops, head_dim):
     """Decoding sequences with decode_shared_blocks set go to the cascade kernel (alone, or
@@ -1211,7 +1213,7 @@ def test_torch_backend_routes_shared_prefix_decodes_through_the_cascade(ops, hea
         torch.testing.assert_close(got.float(), want.float(), rtol=ULP[torch.bfloat16], atol=8e-3)
 
 
-@needs_amx
+@needs_prefill_kernel
 def test_llm_shared_prefix_decodes_take_the_cascade_and_keep_greedy_tokens(
     kernel_model_dir, ops, monkeypatch
 ):
@@ -1262,8 +1264,6 @@ def test_fused_decode_step_is_bit_identical_to_the_layer_by_layer_path(
     a shared prefix (10 sequences whose first 9 blocks are the same 144 tokens)."""
     from engine.fused_decode import FusedDecode
 
-    if shared and not _amx_available():
-        pytest.skip("the cascade kernel runs on AMX only")
 
     model = _load(kernel_model_dir, torch.bfloat16, ops, monkeypatch)
     gen = torch.Generator().manual_seed(5)

@@ -6,6 +6,10 @@
 // results are merged by their log-sum-exp in float32, rounded to bf16 once.
 //   prefix_blocks [>= prefix_len / block_size] int32: the shared blocks;
 //   block_table [B, *] int32 and seq_lens [B]: each sequence's blocks and tokens after them.
+// Two bodies: on AMX the suffixes go through the AMX decode kernel and the prefix through the
+// prefill kernel's AMX block; without AMX (AVX-512 BF16) both go through the prefill kernel's
+// vector block, a suffix as the G query heads of one token (per sequence and KV head, its V^T
+// built per call).
 #include "common.h"
 #include "decode.h"
 #include "ops.h"
@@ -13,7 +17,7 @@
 
 namespace pagedserve_cpu {
 
-#ifdef PAGEDSERVE_AMX
+#ifdef PAGEDSERVE_AVX512BF16
 namespace {
 
 // Shapes, dtypes and ranges paged_attention_cascade relies on.
@@ -36,7 +40,7 @@ void check_cascade_args(
   TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == d && v_cache.sizes() == k_cache.sizes(),
               "head shapes");
   const int64_t group = heads / kv_heads;
-  TORCH_CHECK(cascade_supported(d, block_size, group), "shapes the AMX cascade does not cover");
+  TORCH_CHECK(cascade_supported(d, block_size, group), "shapes the cascade does not cover");
   TORCH_CHECK(out.size(0) == batch && out.size(1) == heads && out.size(2) == d, "out like query");
   TORCH_CHECK(block_table.size(0) == batch && seq_lens.numel() == batch, "one row per sequence");
   TORCH_CHECK(prefix_len >= 1 && prefix_len <= prefix_blocks.numel() * block_size,
@@ -60,6 +64,7 @@ struct CascadeArgs {
   float scale;
 };
 
+#ifdef PAGEDSERVE_AMX
 // Pass 1: V^T of the prefix per KV head into vt, and every sequence's suffix (all heads per
 // task) into os [B, H, D] float32 with its log-sum-exp in ls [B, H].
 void cascade_suffix_pass(const CascadeArgs& a, c10::BFloat16* vt, float* os, float* ls) {
@@ -85,6 +90,37 @@ void cascade_suffix_pass(const CascadeArgs& a, c10::BFloat16* vt, float* os, flo
     if (tiles) _tile_release();
   });
 }
+#endif
+
+// Pass 1 without AMX: V^T of the prefix per KV head into vt; per (sequence, KV head) the G
+// query heads of its one token against its suffix, through the prefill kernel's vector block
+// (all keys visible), into os and ls as above.
+void cascade_suffix_pass_vec(const CascadeArgs& a, c10::BFloat16* vt, float* os, float* ls) {
+  const int64_t kv_heads = a.kv_heads, d = a.d, heads = a.heads, group = a.group;
+  WorkQueue(kv_heads + a.batch * kv_heads).run([&](WorkQueue& queue) {
+    PrefillScratch scratch;
+    std::vector<c10::BFloat16> suffix_vt;
+    int64_t begin, end;
+    while (queue.take(begin, end)) {
+      for (int64_t task = begin; task < end; ++task) {
+        if (task < kv_heads) {
+          build_vt(vt + task * d * a.pad, a.vp, a.pb, a.prefix_len, a.block_size, a.token_stride,
+                   task, d);
+          continue;
+        }
+        const int64_t b = (task - kv_heads) / kv_heads, h = (task - kv_heads) % kv_heads;
+        const int64_t len = a.lens[b], pad = (len + 31) / 32 * 32;
+        const int32_t* blocks = a.bt + b * a.bt_stride;
+        suffix_vt.resize(d * pad);
+        build_vt(suffix_vt.data(), a.vp, blocks, len, a.block_size, a.token_stride, h, d);
+        prefill_block_vec_f32(d, os + (b * heads + h * group) * d, d,
+                              a.qp + b * a.q_stride + h * group * a.qh, a.qh, group, len - 1,
+                              len, a.kp, suffix_vt.data(), pad, blocks, a.block_size,
+                              a.token_stride, h, a.scale, scratch, ls + b * heads + h * group);
+      }
+    }
+  });
+}
 
 // dst = (prefix * e^lp + suffix * e^ls) / (e^lp + e^ls), weights taken relative to their max.
 PAGEDSERVE_INLINE void merge_by_lse(
@@ -98,13 +134,16 @@ PAGEDSERVE_INLINE void merge_by_lse(
                                      _mm512_mul_ps(_mm512_loadu_ps(suffix + i), vs_)));
 }
 
-// Pass 2: per (KV head, 16 of its B x G queries): the prefix, then the merge into out.
+// Pass 2: per (KV head, 16 of its B x G queries): the prefix, then the merge into out (the
+// prefill block on AMX tiles or on vectors).
 void cascade_prefix_pass(
-    const CascadeArgs& a, const c10::BFloat16* vt, const float* os, const float* ls) {
+    const CascadeArgs& a, const c10::BFloat16* vt, const float* os, const float* ls, bool amx) {
   const int64_t d = a.d, heads = a.heads, group = a.group;
   const int64_t nqk = a.batch * group, chunks = (nqk + 15) / 16;
   WorkQueue(a.kv_heads * chunks).run([&](WorkQueue& queue) {
-    amx_configure_square();
+#ifdef PAGEDSERVE_AMX
+    if (amx) amx_configure_square();
+#endif
     PrefillScratch scratch;
     alignas(64) c10::BFloat16 qbuf[16 * 256];  // head_dim <= 256 (prefill_amx_applies)
     alignas(64) float obuf[16 * 256];
@@ -120,9 +159,13 @@ void cascade_prefix_pass(
           std::memcpy(qbuf + n * d, a.qp + seq[n] * a.q_stride + head[n] * a.qh,
                       d * sizeof(c10::BFloat16));
         }
-        prefill_block_amx_f32(d, obuf, d, qbuf, d, nq, a.prefix_len - 1, a.prefix_len, a.kp,
-                              vt + h * d * a.pad, a.pad, a.pb, a.block_size, a.token_stride, h,
-                              a.scale, scratch, lse);
+        const auto block =
+#ifdef PAGEDSERVE_AMX
+            amx ? &prefill_block_amx_f32 :
+#endif
+                &prefill_block_vec_f32;
+        block(d, obuf, d, qbuf, d, nq, a.prefix_len - 1, a.prefix_len, a.kp, vt + h * d * a.pad,
+              a.pad, a.pb, a.block_size, a.token_stride, h, a.scale, scratch, lse);
         for (int64_t n = 0; n < nq; ++n) {
           const int64_t b = seq[n];
           merge_by_lse(a.op + b * a.out_stride + head[n] * a.out_head_stride, obuf + n * d,
@@ -130,18 +173,31 @@ void cascade_prefix_pass(
         }
       }
     }
-    _tile_release();
+#ifdef PAGEDSERVE_AMX
+    if (amx) _tile_release();
+#endif
   });
+}
+
+// The AMX body where both its kernels apply (their switches on), else the vector body.
+bool cascade_on_amx(int64_t head_dim, int64_t block_size, int64_t group) {
+#ifdef PAGEDSERVE_AMX
+  return prefill_kernel(head_dim, block_size) == "amx" &&
+         decode_amx_applies(head_dim, block_size, group);
+#else
+  (void)head_dim, (void)block_size, (void)group;
+  return false;
+#endif
 }
 
 }  // namespace
 #endif
 
 bool cascade_supported(int64_t head_dim, int64_t block_size, int64_t group) {
-#ifdef PAGEDSERVE_AMX
-  return prefill_amx_applies(head_dim, block_size) &&
-         decode_amx_applies(head_dim, block_size, group);
+#ifdef PAGEDSERVE_AVX512BF16
+  return prefill_shapes_ok(head_dim, block_size) && group <= 16;
 #else
+  (void)head_dim, (void)block_size, (void)group;
   return false;
 #endif
 }
@@ -150,7 +206,7 @@ void paged_attention_cascade(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& prefix_blocks, int64_t prefix_len,
     const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
-#ifdef PAGEDSERVE_AMX
+#ifdef PAGEDSERVE_AVX512BF16
   check_cascade_args(out, query, k_cache, v_cache, prefix_blocks, prefix_len, block_table,
                      seq_lens);
   CascadeArgs a;
@@ -175,10 +231,14 @@ void paged_attention_cascade(
   vt_buf.resize(a.kv_heads * a.d * a.pad);
   os_buf.resize(a.batch * a.heads * a.d);
   ls_buf.resize(a.batch * a.heads);
-  cascade_suffix_pass(a, vt_buf.data(), os_buf.data(), ls_buf.data());
-  cascade_prefix_pass(a, vt_buf.data(), os_buf.data(), ls_buf.data());
+  const bool amx = cascade_on_amx(a.d, a.block_size, a.group);
+#ifdef PAGEDSERVE_AMX
+  if (amx) cascade_suffix_pass(a, vt_buf.data(), os_buf.data(), ls_buf.data());
+#endif
+  if (!amx) cascade_suffix_pass_vec(a, vt_buf.data(), os_buf.data(), ls_buf.data());
+  cascade_prefix_pass(a, vt_buf.data(), os_buf.data(), ls_buf.data(), amx);
 #else
-  TORCH_CHECK(false, "built without AMX support");
+  TORCH_CHECK(false, "built without AVX-512 BF16 support");
 #endif
 }
 

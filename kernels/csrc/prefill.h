@@ -26,6 +26,13 @@ inline bool prefill_shapes_ok(int64_t d, int64_t block_size) {
 void build_vt(c10::BFloat16* dst, const c10::BFloat16* v_cache, const int32_t* blocks,
               int64_t len, int64_t block_size, int64_t token_stride, int64_t kv_head, int64_t d);
 
+// prefill_block_amx_f32 (below) on the vector body: no tiles to configure.
+void prefill_block_vec_f32(
+    int64_t d, float* out, int64_t out_stride, const c10::BFloat16* q, int64_t q_stride,
+    int64_t nq, int64_t pos0, int64_t visible, const c10::BFloat16* k_cache,
+    const c10::BFloat16* vt, int64_t vt_stride, const int32_t* blocks, int64_t block_size,
+    int64_t token_stride, int64_t kv_head, float scale, PrefillScratch& s, float* lse);
+
 }  // namespace pagedserve_cpu
 #endif
 
