@@ -104,16 +104,23 @@ needs_dense_linear = pytest.mark.skipif(
 
 
 @contextlib.contextmanager
-def dense_body(ops, body: str):
-    """dense_linear on the named body for the duration (skips where it cannot run)."""
+def _kernel_body(body: str, set_amx, kernel):
+    """A kernel on the named body ("amx" or "avx512_bf16") for the duration: set_amx(bool)
+    switches it and returns the old setting, kernel() names the body that runs; skips where
+    AMX is asked for and absent."""
     if body == "amx" and not _amx_available():
         pytest.skip("no AMX here")
-    previous = ops.set_amx_dense_linear(body == "amx")
+    previous = set_amx(body == "amx")
     try:
-        assert ops.dense_linear_kernel() == body
+        assert kernel() == body
         yield
     finally:
-        ops.set_amx_dense_linear(previous)
+        set_amx(previous)
+
+
+def dense_body(ops, body: str):
+    """dense_linear on the named body for the duration."""
+    return _kernel_body(body, ops.set_amx_dense_linear, ops.dense_linear_kernel)
 
 
 needs_prefill_kernel = pytest.mark.skipif(
@@ -125,17 +132,9 @@ needs_prefill_kernel = pytest.mark.skipif(
 PREFILL_BODIES = ["amx", "avx512_bf16"]
 
 
-@contextlib.contextmanager
 def prefill_body(ops, body: str):
-    """paged_attention_prefill on the named body for the duration (skips where it cannot run)."""
-    if body == "amx" and not _amx_available():
-        pytest.skip("no AMX here")
-    previous = ops.set_amx_prefill(body == "amx")
-    try:
-        assert ops.prefill_kernel(64, 16) == body
-        yield
-    finally:
-        ops.set_amx_prefill(previous)
+    """paged_attention_prefill (and the cascade) on the named body for the duration."""
+    return _kernel_body(body, ops.set_amx_prefill, lambda: ops.prefill_kernel(64, 16))
 
 
 @contextlib.contextmanager

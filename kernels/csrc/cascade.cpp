@@ -64,6 +64,11 @@ struct CascadeArgs {
   float scale;
 };
 
+// Pass 1's first kv_heads tasks: the prefix's V^T of KV head h into its slot of vt.
+PAGEDSERVE_INLINE void prefix_vt(const CascadeArgs& a, c10::BFloat16* vt, int64_t h) {
+  build_vt(vt + h * a.d * a.pad, a.vp, a.pb, a.prefix_len, a.block_size, a.token_stride, h, a.d);
+}
+
 #ifdef PAGEDSERVE_AMX
 // Pass 1: V^T of the prefix per KV head into vt, and every sequence's suffix (all heads per
 // task) into os [B, H, D] float32 with its log-sum-exp in ls [B, H].
@@ -76,8 +81,7 @@ void cascade_suffix_pass(const CascadeArgs& a, c10::BFloat16* vt, float* os, flo
     while (queue.take(begin, end)) {
       for (int64_t task = begin; task < end; ++task) {
         if (task < kv_heads) {
-          build_vt(vt + task * d * a.pad, a.vp, a.pb, a.prefix_len, a.block_size, a.token_stride,
-                   task, d);
+          prefix_vt(a, vt, task);
           continue;
         }
         if (!tiles) amx_configure_decode(a.group), tiles = true;
@@ -104,8 +108,7 @@ void cascade_suffix_pass_vec(const CascadeArgs& a, c10::BFloat16* vt, float* os,
     while (queue.take(begin, end)) {
       for (int64_t task = begin; task < end; ++task) {
         if (task < kv_heads) {
-          build_vt(vt + task * d * a.pad, a.vp, a.pb, a.prefix_len, a.block_size, a.token_stride,
-                   task, d);
+          prefix_vt(a, vt, task);
           continue;
         }
         const int64_t b = (task - kv_heads) / kv_heads, h = (task - kv_heads) % kv_heads;
@@ -113,10 +116,10 @@ void cascade_suffix_pass_vec(const CascadeArgs& a, c10::BFloat16* vt, float* os,
         const int32_t* blocks = a.bt + b * a.bt_stride;
         suffix_vt.resize(d * pad);
         build_vt(suffix_vt.data(), a.vp, blocks, len, a.block_size, a.token_stride, h, d);
-        prefill_block_vec_f32(d, os + (b * heads + h * group) * d, d,
-                              a.qp + b * a.q_stride + h * group * a.qh, a.qh, group, len - 1,
-                              len, a.kp, suffix_vt.data(), pad, blocks, a.block_size,
-                              a.token_stride, h, a.scale, scratch, ls + b * heads + h * group);
+        prefill_block_f32(false, d, os + (b * heads + h * group) * d, d,
+                          a.qp + b * a.q_stride + h * group * a.qh, a.qh, group, len - 1, len,
+                          a.kp, suffix_vt.data(), pad, blocks, a.block_size, a.token_stride, h,
+                          a.scale, scratch, ls + b * heads + h * group);
       }
     }
   });
@@ -159,13 +162,9 @@ void cascade_prefix_pass(
           std::memcpy(qbuf + n * d, a.qp + seq[n] * a.q_stride + head[n] * a.qh,
                       d * sizeof(c10::BFloat16));
         }
-        const auto block =
-#ifdef PAGEDSERVE_AMX
-            amx ? &prefill_block_amx_f32 :
-#endif
-                &prefill_block_vec_f32;
-        block(d, obuf, d, qbuf, d, nq, a.prefix_len - 1, a.prefix_len, a.kp, vt + h * d * a.pad,
-              a.pad, a.pb, a.block_size, a.token_stride, h, a.scale, scratch, lse);
+        prefill_block_f32(amx, d, obuf, d, qbuf, d, nq, a.prefix_len - 1, a.prefix_len, a.kp,
+                          vt + h * d * a.pad, a.pad, a.pb, a.block_size, a.token_stride, h,
+                          a.scale, scratch, lse);
         for (int64_t n = 0; n < nq; ++n) {
           const int64_t b = seq[n];
           merge_by_lse(a.op + b * a.out_stride + head[n] * a.out_head_stride, obuf + n * d,

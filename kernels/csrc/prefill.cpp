@@ -458,25 +458,21 @@ bool prefill_amx_applies(int64_t d, int64_t block_size) {
   return prefill_shapes_ok(d, block_size) && amx_permitted();
 }
 
-void prefill_block_amx_f32(
-    int64_t d, float* out, int64_t out_stride, const c10::BFloat16* q, int64_t q_stride,
-    int64_t nq, int64_t pos0, int64_t visible, const c10::BFloat16* k_cache,
-    const c10::BFloat16* vt, int64_t vt_stride, const int32_t* blocks, int64_t block_size,
-    int64_t token_stride, int64_t kv_head, float scale, PrefillScratch& s, float* lse) {
-  prefill_block_for<float, true>(d)(out, out_stride, q, q_stride, nq, pos0, 0, visible, 0,
-                                    0.0f, k_cache, vt, vt_stride, blocks, block_size,
-                                    token_stride, kv_head, scale, s, lse);
-}
 #endif
 
-void prefill_block_vec_f32(
-    int64_t d, float* out, int64_t out_stride, const c10::BFloat16* q, int64_t q_stride,
-    int64_t nq, int64_t pos0, int64_t visible, const c10::BFloat16* k_cache,
+void prefill_block_f32(
+    bool amx, int64_t d, float* out, int64_t out_stride, const c10::BFloat16* q,
+    int64_t q_stride, int64_t nq, int64_t pos0, int64_t visible, const c10::BFloat16* k_cache,
     const c10::BFloat16* vt, int64_t vt_stride, const int32_t* blocks, int64_t block_size,
     int64_t token_stride, int64_t kv_head, float scale, PrefillScratch& s, float* lse) {
-  prefill_block_for<float, false>(d)(out, out_stride, q, q_stride, nq, pos0, 0, visible, 0,
-                                     0.0f, k_cache, vt, vt_stride, blocks, block_size,
-                                     token_stride, kv_head, scale, s, lse);
+  const auto block =
+#ifdef PAGEDSERVE_AMX
+      amx ? prefill_block_for<float, true>(d) :
+#endif
+          prefill_block_for<float, false>(d);
+  (void)amx;
+  block(out, out_stride, q, q_stride, nq, pos0, 0, visible, 0, 0.0f, k_cache, vt, vt_stride,
+        blocks, block_size, token_stride, kv_head, scale, s, lse);
 }
 #endif  // PAGEDSERVE_AVX512BF16
 

@@ -26,10 +26,13 @@ inline bool prefill_shapes_ok(int64_t d, int64_t block_size) {
 void build_vt(c10::BFloat16* dst, const c10::BFloat16* v_cache, const int32_t* blocks,
               int64_t len, int64_t block_size, int64_t token_stride, int64_t kv_head, int64_t d);
 
-// prefill_block_amx_f32 (below) on the vector body: no tiles to configure.
-void prefill_block_vec_f32(
-    int64_t d, float* out, int64_t out_stride, const c10::BFloat16* q, int64_t q_stride,
-    int64_t nq, int64_t pos0, int64_t visible, const c10::BFloat16* k_cache,
+// nq <= 16 queries of one query head (KV head kv_head) at positions pos0.. against the first
+// `visible` keys, bottom-right causal, into float32 rows of out; lse[n] = log(sum exp(scaled
+// scores)) of query n. vt from build_vt. amx: on AMX tiles (configured by
+// amx_configure_square()), else on vectors.
+void prefill_block_f32(
+    bool amx, int64_t d, float* out, int64_t out_stride, const c10::BFloat16* q,
+    int64_t q_stride, int64_t nq, int64_t pos0, int64_t visible, const c10::BFloat16* k_cache,
     const c10::BFloat16* vt, int64_t vt_stride, const int32_t* blocks, int64_t block_size,
     int64_t token_stride, int64_t kv_head, float scale, PrefillScratch& s, float* lse);
 
@@ -41,15 +44,6 @@ namespace pagedserve_cpu {
 
 // prefill_shapes_ok, and the process may use AMX.
 bool prefill_amx_applies(int64_t d, int64_t block_size);
-
-// nq <= 16 queries of one query head (KV head kv_head) at positions pos0.. against the first
-// `visible` keys, bottom-right causal, into float32 rows of out; lse[n] = log(sum exp(scaled
-// scores)) of query n. vt from build_vt; tiles configured by amx_configure_square().
-void prefill_block_amx_f32(
-    int64_t d, float* out, int64_t out_stride, const c10::BFloat16* q, int64_t q_stride,
-    int64_t nq, int64_t pos0, int64_t visible, const c10::BFloat16* k_cache,
-    const c10::BFloat16* vt, int64_t vt_stride, const int32_t* blocks, int64_t block_size,
-    int64_t token_stride, int64_t kv_head, float scale, PrefillScratch& s, float* lse);
 
 }  // namespace pagedserve_cpu
 #endif
