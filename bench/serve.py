@@ -59,6 +59,7 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)
     text: str = ""
     error: str = ""
+    retried: bool = False  # sent a second time: the server had closed the connection unanswered
 
     @property
     def tpot(self) -> float | None:
@@ -216,8 +217,18 @@ async def send_request(
     chunk_times: list[float] = []
     pieces: list[str] = []
     usage_tokens = None
+    retried = False
     try:
-        async with client.stream("POST", url, json=body) as resp:
+        request = client.build_request("POST", url, json=body)
+        try:
+            resp = await client.send(request, stream=True)
+        except httpx.RemoteProtocolError:
+            # The server closed a kept-alive connection without answering (llama-server does,
+            # now and then, on a connection that has served streams): sent again once on a new
+            # connection, as the OpenAI SDK retries a connection error; the timer keeps running.
+            retried = True
+            resp = await client.send(request, stream=True)
+        try:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")[:200]
                 return RequestResult(ok=False, error=f"HTTP {resp.status_code}: {text}")
@@ -232,11 +243,15 @@ async def send_request(
                     pieces.append(data["choices"][0].get("text") or "")
                 if data.get("usage"):
                     usage_tokens = data["usage"]["completion_tokens"]
+        finally:
+            await resp.aclose()
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         return RequestResult(ok=False, error=f"{type(e).__name__}: {e}"[:200])
     result = _finish_result(req, start, chunk_times, usage_tokens)
     result.text = "".join(pieces)
+    result.retried = retried
     return result
+
 
 
 def _finish_result(req, start, chunk_times, usage_tokens) -> RequestResult:
@@ -301,6 +316,7 @@ def summarize(label: str, wl: Workload, results: list[RequestResult], duration: 
         "num_completed": len(ok),
         "num_failed": len(results) - len(ok),
         "errors": errors[:5],
+        "num_retried": sum(r.retried for r in results),
         "max_concurrency": wl.max_concurrency,
         "request_rate": None if math.isinf(wl.request_rate) else wl.request_rate,
         "duration_s": duration,
@@ -341,7 +357,9 @@ def steal_share(before: list[int] | None, after: list[int] | None) -> float | No
 def print_summary(s: dict) -> None:
     print(
         f"[{s['label']}/{s['workload']}] {s['num_completed']}/{s['num_requests']} ok "
-        f"({s['num_failed']} failed) in {s['duration_s']:.1f}s: "
+        f"({s['num_failed']} failed"
+        + (f", {s['num_retried']} sent twice" if s.get("num_retried") else "")
+        + f") in {s['duration_s']:.1f}s: "
         f"{s['output_throughput']:.1f} out tok/s, {s['request_throughput']:.2f} req/s, "
         f"TTFT median {s['ttft_ms']['median']:.0f} ms p90 {s['ttft_ms']['p90']:.0f} "
         f"p99 {s['ttft_ms']['p99']:.0f}, ITL median {s['itl_ms']['median']:.1f} ms "
