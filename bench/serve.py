@@ -253,7 +253,6 @@ async def send_request(
     return result
 
 
-
 def _finish_result(req, start, chunk_times, usage_tokens) -> RequestResult:
     if not chunk_times:
         return RequestResult(ok=False, error="no tokens streamed")
