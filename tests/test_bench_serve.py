@@ -43,20 +43,21 @@ async def _read_request(reader: asyncio.StreamReader) -> None:
     await reader.readexactly(length)
 
 
-async def _run(unanswered: int, tokens: int = 3):
-    """Serves every request on a kept-alive connection, except that the first `unanswered`
-    requests that arrive are met by closing their connection without a response. Returns the
-    results of two requests sent one after the other on one client, and the connections made."""
-    state = {"connections": 0, "dropped": 0}
+async def _run(drop: set[int], tokens: int = 3):
+    """Serves every request on a kept-alive connection, except that the requests whose arrival
+    index (0-based) is in `drop` are met by closing their connection without a response. Sends
+    three requests one after the other on one client; returns their results and the connections
+    the server accepted."""
+    state = {"connections": 0, "arrived": 0}
 
     async def handle(reader, writer):
         state["connections"] += 1
         try:
             while True:
                 await _read_request(reader)
-                if state["dropped"] < unanswered:
-                    state["dropped"] += 1
-                    break  # the connection goes away unanswered
+                state["arrived"] += 1
+                if state["arrived"] - 1 in drop:
+                    break  # the kept-alive connection goes away unanswered
                 writer.write(_sse_response(tokens))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -68,26 +69,28 @@ async def _run(unanswered: int, tokens: int = 3):
     url = f"http://127.0.0.1:{port}/v1/completions"
     req = bench_serve.BenchRequest(prompt_token_ids=[1, 2, 3], max_tokens=tokens)
     async with server, httpx.AsyncClient(timeout=10) as client:
-        results = [await bench_serve.send_request(client, url, "m", req) for _ in range(2)]
+        results = [await bench_serve.send_request(client, url, "m", req) for _ in range(3)]
     return results, state["connections"]
 
 
 def test_a_request_the_server_dropped_unanswered_is_sent_once_more():
-    results, connections = asyncio.run(_run(unanswered=1))
-    assert [r.ok for r in results] == [True, True]
-    assert [r.retried for r in results] == [True, False]
-    assert [r.num_output_tokens for r in results] == [3, 3]
-    assert connections == 2  # the retry opened a new connection, the next request reused it
+    # the second request reuses the first one's connection, which the server closes unanswered
+    results, connections = asyncio.run(_run(drop={1}))
+    assert [r.ok for r in results] == [True, True, True]
+    assert [r.retried for r in results] == [False, True, False]
+    assert [r.num_output_tokens for r in results] == [3, 3, 3]
+    assert connections == 2  # the retry opened a new connection, the third request reused it
 
 
 def test_a_second_drop_is_a_failure_not_another_retry():
-    results, _ = asyncio.run(_run(unanswered=2))
-    assert not results[0].ok and "RemoteProtocolError" in results[0].error
-    assert results[1].ok and not results[1].retried
+    results, _ = asyncio.run(_run(drop={1, 2}))
+    assert results[0].ok and not results[0].retried
+    assert not results[1].ok and "RemoteProtocolError" in results[1].error
+    assert results[2].ok and not results[2].retried
 
 
 def test_the_summary_counts_the_requests_sent_twice():
-    results, _ = asyncio.run(_run(unanswered=1))
-    wl = bench_serve.Workload("std", [bench_serve.BenchRequest([1, 2, 3], 3)] * 2, 1, float("inf"))
+    results, _ = asyncio.run(_run(drop={1}))
+    wl = bench_serve.Workload("std", [bench_serve.BenchRequest([1, 2, 3], 3)] * 3, 1, float("inf"))
     summary = bench_serve.summarize("x", wl, results, 1.0)
-    assert summary["num_retried"] == 1 and summary["num_completed"] == 2
+    assert summary["num_retried"] == 1 and summary["num_completed"] == 3
