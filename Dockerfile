@@ -26,7 +26,7 @@ RUN python3 -m venv /opt/venv \
 COPY pyproject.toml README.md ./
 COPY server server
 COPY engine engine
-COPY kernels kernels
+COPY pagedserve_kernels pagedserve_kernels
 # MAX_JOBS bounds nvcc's memory use (each job can take several GiB).
 ARG MAX_JOBS=4
 RUN MAX_JOBS=${MAX_JOBS} /opt/venv/bin/pip install --no-build-isolation ".[cuda]" \

@@ -31,7 +31,7 @@ test: setup
 	$(PY) -m pytest -q -ra $(ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check server engine kernels tests bench
+	$(VENV)/bin/ruff check server engine pagedserve_kernels tests bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache

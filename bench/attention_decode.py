@@ -38,9 +38,13 @@ import time
 
 import torch
 
-from kernels import get_attention_backend
-from kernels.backend import AttentionMetadata
-from kernels.reference import TorchAttentionBackend, paged_attention, paged_decode_attention
+from pagedserve_kernels import get_attention_backend
+from pagedserve_kernels.backend import AttentionMetadata
+from pagedserve_kernels.reference import (
+    TorchAttentionBackend,
+    paged_attention,
+    paged_decode_attention,
+)
 
 SMOLLM2 = (9, 3, 64)  # num_heads, num_kv_heads, head_dim
 GEMMA3_270M = (4, 1, 256)
@@ -112,7 +116,7 @@ def decode_paths(args) -> None:
         ),
     }
     if args.device == "cuda":
-        from kernels.triton_attention import paged_decode_attention as triton_decode
+        from pagedserve_kernels.triton_attention import paged_decode_attention as triton_decode
 
         paths["triton"] = lambda: triton_decode(
             q, k_cache, v_cache, meta.block_table, meta.seq_lens, scale
@@ -171,7 +175,7 @@ def time_both(backend, oracle, inputs, window: int, args) -> tuple[float, float,
 
 def head_dim_case(args) -> None:
     """Decode and prefill at head_dim 64, 96 and 128: the kernel each takes and its time."""
-    from kernels.cpu_ops import load_cpu_ops
+    from pagedserve_kernels.cpu_ops import load_cpu_ops
 
     ops = load_cpu_ops()
     backend = get_attention_backend("auto", "cpu")

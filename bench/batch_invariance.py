@@ -10,8 +10,8 @@ different prompts, greedy MAX_TOKENS tokens each, run
 
 and prints how many prompts give the alone tokens batched and chunked (vLLM's check, issue 22:
 12 of 12 is the target), with the kernels' batch-invariant mode off and on
-(kernels.cpu_ops.batch_invariant, `pagedserve serve --batch-invariant`), and the output tokens/s
-of the alone runs (one request: decode speed) and of the batched run: the cost of the mode.
+(pagedserve_kernels.cpu_ops.batch_invariant, `pagedserve serve --batch-invariant`), and the output
+tokens/s of the alone runs (one request: decode speed) and of the batched run: the cost of the mode.
 
     python bench/batch_invariance.py [--max-tokens 64] [--modes off,on] [--model PATH]
 """
@@ -59,7 +59,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def check(args, invariant: bool) -> None:
-    from kernels.cpu_ops import BATCH_INVARIANT_ENV
+    from pagedserve_kernels.cpu_ops import BATCH_INVARIANT_ENV
 
     os.environ[BATCH_INVARIANT_ENV[0]] = "1" if invariant else "0"  # read as the model loads
     os.environ.pop(BATCH_INVARIANT_ENV[1], None)

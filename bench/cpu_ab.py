@@ -3,13 +3,14 @@
     python bench/cpu_ab.py --feature cascade --workload prefix --rounds 4
     python bench/cpu_ab.py --feature narrow-linear --workload prefill --rounds 6
 
-cascade: decodes over a shared prefix through paged_attention_cascade (kernels/cpu_backend.py,
-CASCADE_MIN_TOKENS), against the one-pass decode kernel. narrow-linear: linears of at most
-AMX_NARROW_MAX_OUT outputs on the AMX kernel at every row count (kernels/cpu_linear.py), against
-oneDNN above AMX_MAX_ROWS rows. Workloads as bench/offline.py's, plus prefill: 32 prompts of 256
-tokens, one output token each. Every run draws fresh prompts (no prefix-cache hits across runs);
-each round runs both arms, in alternating order. Prints each run's wall time and the ratio of
-the totals, off / on (above 1: the fast path is faster).
+cascade: decodes over a shared prefix through paged_attention_cascade
+(pagedserve_kernels/cpu_backend.py, CASCADE_MIN_TOKENS), against the one-pass decode kernel.
+narrow-linear: linears of at most AMX_NARROW_MAX_OUT outputs on the AMX kernel at every row count
+(pagedserve_kernels/cpu_linear.py), against oneDNN above AMX_MAX_ROWS rows. Workloads as
+bench/offline.py's, plus prefill: 32 prompts of 256 tokens, one output token each. Every run draws
+fresh prompts (no prefix-cache hits across runs); each round runs both arms, in alternating order.
+Prints each run's wall time and the ratio of the totals, off / on (above 1: the fast path is
+faster).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import argparse
 import random
 import time
 
-import kernels.cpu_backend as cpu_backend
-import kernels.cpu_linear as cpu_linear
+import pagedserve_kernels.cpu_backend as cpu_backend
+import pagedserve_kernels.cpu_linear as cpu_linear
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 

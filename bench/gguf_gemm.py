@@ -1,16 +1,17 @@
-"""Many-row GGUF linears: gguf_gemm (kernels/csrc/gguf_gemm.cpp) against the other paths, one run.
+"""Many-row GGUF linears: gguf_gemm (pagedserve_kernels/csrc/gguf_gemm.cpp) against the other paths,
+one run.
 
     OMP_NUM_THREADS=1 python bench/gguf_gemm.py --threads 1
     OMP_NUM_THREADS=2 python bench/gguf_gemm.py --threads 2 --prefill
 
 Per linear shape of the default model (SmolLM2-135M: q, k/v, o, gate_up, down, lm_head), GGUF
 type (random valid blocks) and row count M, the time per call of: bf16 weights on the AMX linear
-(kernels/cpu_linear.py PackedLinear), the VNNI integer kernel (gguf_linear), dequantize + matmul
-(gguf_dequantize, then F.linear), and gguf_gemm; then the old dispatch (VNNI up to VNNI_MAX_ROWS
-rows, dequantize + matmul above) and the new one (engine/layers/gguf_quant.py GEMM_MIN_ROWS)
-relative to bf16. The arms run interleaved, round after round, and each keeps its best round.
-With one thread the clock is the process's CPU time (what the call costs, whatever else the
-machine runs); with more it is the wall clock (CPU time would count the workers' spinning).
+(pagedserve_kernels/cpu_linear.py PackedLinear), the VNNI integer kernel (gguf_linear), dequantize +
+matmul (gguf_dequantize, then F.linear), and gguf_gemm; then the old dispatch (VNNI up to
+VNNI_MAX_ROWS rows, dequantize + matmul above) and the new one (engine/layers/gguf_quant.py
+GEMM_MIN_ROWS) relative to bf16. The arms run interleaved, round after round, and each keeps its
+best round. With one thread the clock is the process's CPU time (what the call costs, whatever else
+the machine runs); with more it is the wall clock (CPU time would count the workers' spinning).
 The K types need K % 256 == 0: of these shapes only down (576 x 1536) takes them.
 
 --prefill adds the time of a 256-token prompt (one output token) on the default model: bf16
@@ -30,8 +31,8 @@ import torch.nn.functional as F
 
 from engine.layers import gguf_quant
 from engine.layers.gguf_quant import GGUF_TYPES, VNNI_MAX_ROWS, pack_parts
-from kernels.cpu_linear import PackedLinear
-from kernels.cpu_ops import load_cpu_ops
+from pagedserve_kernels.cpu_linear import PackedLinear
+from pagedserve_kernels.cpu_ops import load_cpu_ops
 
 SHAPES = {  # (N, K) as the default model serves them
     "q": (576, 576), "k/v": (192, 576), "o": (576, 576), "gate_up": (3072, 576),

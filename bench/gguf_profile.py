@@ -46,7 +46,7 @@ from quantization import f32_scales, per_output_token, quantized_default  # benc
 from engine.layers.gguf_quant import GGUF_PACKED_ENV, GGUFWeights
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from kernels.cpu_ops import load_cpu_ops
+from pagedserve_kernels.cpu_ops import load_cpu_ops
 
 KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}  # cpu: this thread's CPU time

@@ -3,9 +3,9 @@
     python bench/onednn_rows.py                   # 576 -> 1536 (SmolLM2's MLP), rows 33..512
     python bench/onednn_rows.py --in 2048 --out 8192 --max-rows 1024
 
-oneDNN compiles and caches a kernel per row count it meets; kernels/cpu_linear.py pads every
-oneDNN call to onednn_rows(rows). This runs each row count from --min-rows to --max-rows once in
-random order, in a child process per mode (the caches are per process): "exact" calls oneDNN at
+oneDNN compiles and caches a kernel per row count it meets; pagedserve_kernels/cpu_linear.py pads
+every oneDNN call to onednn_rows(rows). This runs each row count from --min-rows to --max-rows once
+in random order, in a child process per mode (the caches are per process): "exact" calls oneDNN at
 the row count itself, "padded" goes through PackedLinear. Reports glibc's memory in use after
 malloc_trim every --report-every calls, the time of the first pass (compiling included) and of a
 second pass over the same row counts (cached).
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    import kernels.cpu_linear as cpu_linear
+    import pagedserve_kernels.cpu_linear as cpu_linear
 
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     torch.manual_seed(0)

@@ -43,8 +43,8 @@ from engine.layers.linear import Linear
 from engine.layers.quantization import Int8Weights, linear_weight_bytes
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from kernels.cpu_linear import PackedLinear
-from kernels.cpu_ops import load_cpu_ops
+from pagedserve_kernels.cpu_linear import PackedLinear
+from pagedserve_kernels.cpu_ops import load_cpu_ops
 
 
 def ids(rng: random.Random, k: int) -> list[int]:

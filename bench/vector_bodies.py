@@ -5,8 +5,8 @@
 On a CPU without AMX (AMD Zen 4, Intel before Sapphire Rapids) two kernels run on vectors:
 the prefill attention kernel (paged_attention_prefill, against the gather + SDPA path the
 backend takes without it) and dense_linear (decode-sized bf16 linears, against oneDNN on a
-weight packed for few rows, as kernels/cpu_linear.py packs it). Each round times both sides
-of every case alternately and prints their times and the ratio (kernel / other: below 1, the
+weight packed for few rows, as pagedserve_kernels/cpu_linear.py packs it). Each round times both
+sides of every case alternately and prints their times and the ratio (kernel / other: below 1, the
 kernel wins). On an AMX CPU, --body avx512_bf16 times the vector bodies there.
 """
 
@@ -18,10 +18,10 @@ from functools import partial
 
 import torch
 
-from kernels.backend import AttentionMetadata
-from kernels.cpu_backend import CpuAttentionBackend
-from kernels.cpu_ops import load_cpu_ops
-from kernels.reference import TorchAttentionBackend
+from pagedserve_kernels.backend import AttentionMetadata
+from pagedserve_kernels.cpu_backend import CpuAttentionBackend
+from pagedserve_kernels.cpu_ops import load_cpu_ops
+from pagedserve_kernels.reference import TorchAttentionBackend
 
 # (query heads, KV heads, head_dim, query lengths, context lengths): SmolLM2-135M's prompts
 # (two 256-token prompts, a 128-token chunk after a 512-token prefix), a Llama-3-8B-like shape.

@@ -50,7 +50,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.block_size is None:  # resolved once here, so every reader sees one number
-            from kernels import default_block_size
+            from pagedserve_kernels import default_block_size
 
             object.__setattr__(
                 self, "block_size", default_block_size(self.attention_backend, self.device)
@@ -129,7 +129,7 @@ class EngineConfig:
 
 
 def default_max_num_batched_tokens(device: str = "auto") -> int:
-    from kernels import _device_type  # "auto" -> cuda or cpu, "cuda:1" -> cuda
+    from pagedserve_kernels import _device_type  # "auto" -> cuda or cpu, "cuda:1" -> cuda
 
     on_cpu = _device_type(device) == "cpu"
     return CPU_MAX_NUM_BATCHED_TOKENS if on_cpu else GPU_MAX_NUM_BATCHED_TOKENS

@@ -8,7 +8,8 @@ seq_len 1 (they read one cached token and are thrown away).
     buffers   | real rows 0..B-1 | padding rows B..bucket-1 (slot -1, seq_len 1) |
 
 Only backends whose kernels are capture-safe (no host syncs, grids fixed by the batch size,
-KV writes that skip slot -1) opt in, declaring `supports_cuda_graphs` (kernels/backend.py).
+KV writes that skip slot -1) opt in, declaring `supports_cuda_graphs`
+(pagedserve_kernels/backend.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-from kernels import AttentionMetadata
+from pagedserve_kernels import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """A decode step through every decoder layer in one backend call, where the backend has one.
 
 Built once after load, like engine/cuda_graphs.py: the runner asks FusedDecode.build(model,
-backend), which reads the model's layers into a kernels.backend.DecoderStack and asks the
+backend), which reads the model's layers into a pagedserve_kernels.backend.DecoderStack and asks the
 backend for a step (AttentionBackend.fused_decode). It declines, and the model runs layer by
 layer, unless the backend declares supports_fused_decode and every decoder layer has exactly
 Llama's shape:
@@ -28,8 +28,8 @@ from torch import nn
 from engine.layers import Attention, RMSNorm, RotaryEmbedding, SiluAndMul
 from engine.layers.gguf_quant import GGUFWeights
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from kernels import AttentionBackend, AttentionMetadata
-from kernels.backend import DecoderStack, FusedDecodeStep, QuantLinear, QuantPart
+from pagedserve_kernels import AttentionBackend, AttentionMetadata
+from pagedserve_kernels.backend import DecoderStack, FusedDecodeStep, QuantLinear, QuantPart
 
 _LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 # the model's linears at one rank (the runner builds no fused step above one)

@@ -26,8 +26,8 @@ from engine.outputs import ModelRunnerOutput
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from engine.weight_loader import load_checked
-from kernels import AttentionMetadata, get_attention_backend
-from kernels.cpu_ops import load_cpu_ops
+from pagedserve_kernels import AttentionMetadata, get_attention_backend
+from pagedserve_kernels.cpu_ops import load_cpu_ops
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from engine.logprobs import token_logprobs
 from engine.outputs import TokenLogprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from kernels.cpu_backend import argmax_rows as kernel_argmax_rows
+from pagedserve_kernels.cpu_backend import argmax_rows as kernel_argmax_rows
 
 
 @dataclass
@@ -70,8 +70,8 @@ class SamplerOutput:
 
 
 class Sampler:
-    """ops: the CPU kernels (kernels.cpu_ops) on a CPU device, whose argmax greedy rows then
-    take; None: torch.argmax. Chosen once here."""
+    """ops: the CPU kernels (pagedserve_kernels.cpu_ops) on a CPU device, whose argmax greedy rows
+    then take; None: torch.argmax. Chosen once here."""
 
     def __init__(self, device: torch.device, ops=None) -> None:
         self.device = device

@@ -22,7 +22,7 @@ def pytest_sessionstart(session) -> None:
     on two cores, longer than a server's start-up deadline (each server would race to build)."""
     import time
 
-    from kernels.cpu_ops import load_cpu_ops
+    from pagedserve_kernels.cpu_ops import load_cpu_ops
 
     start = time.monotonic()
     ops = load_cpu_ops()
@@ -33,7 +33,7 @@ def pytest_sessionstart(session) -> None:
 @pytest.fixture(scope="session")
 def ops():
     """The CPU kernels (built once in pytest_sessionstart); a failed build fails their tests."""
-    from kernels.cpu_ops import load_cpu_ops
+    from pagedserve_kernels.cpu_ops import load_cpu_ops
 
     ops = load_cpu_ops()
     if ops is None:

@@ -1,5 +1,5 @@
-"""Batch invariance in bf16 (kernels.cpu_ops.batch_invariant, `--batch-invariant`): a request's
-logits do not depend on what else runs in its step, nor on how its prompt is chunked.
+"""Batch invariance in bf16 (pagedserve_kernels.cpu_ops.batch_invariant, `--batch-invariant`): a
+request's logits do not depend on what else runs in its step, nor on how its prompt is chunked.
 
 The kernels first (a row of the AMX linear at any row count, a query of the prefill kernel in any
 chunk, as a one-token chunk too), then the engine end to end on a tiny random-weight Llama in bf16
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_ops import BATCH_INVARIANT_ENV, batch_invariant, load_cpu_ops
+from pagedserve_kernels.cpu_ops import BATCH_INVARIANT_ENV, batch_invariant, load_cpu_ops
 from tests.conftest import build_tiny_model_dir, make_prompts
 
 ops = load_cpu_ops()

@@ -1,9 +1,10 @@
-"""The fused CPU kernels (kernels/csrc/) against the torch ops they replace, and their build.
+"""The fused CPU kernels (pagedserve_kernels/csrc/) against the torch ops they replace, and their
+build.
 
 Each op is compared with its oracle: RMSNorm._norm, apply_rope, F.silu, the paged attention
-references in kernels/reference.py and F.linear. Outputs are pre-filled with NaN so an element a
-kernel forgets to write fails, paged caches carry NaN in every slot no sequence owns so a read
-past a sequence's end fails, and padding around strided views is checked untouched.
+references in pagedserve_kernels/reference.py and F.linear. Outputs are pre-filled with NaN so an
+element a kernel forgets to write fails, paged caches carry NaN in every slot no sequence owns so a
+read past a sequence's end fails, and padding around strided views is checked untouched.
 
 Reduced-precision results are held to "one rounding of the float32 result": within one unit in
 the last place everywhere and bit-equal almost everywhere, which a kernel that drops or adds a
@@ -27,11 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 from window_attention import window_inputs
 
-import kernels.cpu_linear as cpu_linear
+import pagedserve_kernels.cpu_linear as cpu_linear
 from engine.layers import RMSNorm, RotaryEmbedding, apply_rope
-from kernels.backend import AttentionMetadata
-from kernels.cpu_backend import PREFILL_D256_MAX_KEYS, CpuAttentionBackend
-from kernels.cpu_linear import (
+from pagedserve_kernels.backend import AttentionMetadata
+from pagedserve_kernels.cpu_backend import PREFILL_D256_MAX_KEYS, CpuAttentionBackend
+from pagedserve_kernels.cpu_linear import (
     AMX_MAX_ROWS,
     AMX_NARROW_MAX_OUT,
     ONEDNN_MIN_ROW_STEP,
@@ -40,8 +41,8 @@ from kernels.cpu_linear import (
     onednn_rows,
     pack_linears,
 )
-from kernels.cpu_ops import CSRC, build_key, cpu_kernels_enabled, load_cpu_ops, sources
-from kernels.reference import (
+from pagedserve_kernels.cpu_ops import CSRC, build_key, cpu_kernels_enabled, load_cpu_ops, sources
+from pagedserve_kernels.reference import (
     TorchAttentionBackend,
     gather_kv,
     paged_attention,
@@ -61,7 +62,8 @@ def ops():
         pytest.skip("PAGEDSERVE_CPU_KERNELS=0: the CPU kernels are turned off")
     loaded = load_cpu_ops()
     assert loaded is not None, (
-        "the kernels in kernels/csrc/ did not build (see the warning load_cpu_ops logged); "
+        "the kernels in pagedserve_kernels/csrc/ did not build "
+        "(see the warning load_cpu_ops logged); "
         "set PAGEDSERVE_CPU_KERNELS=0 only on a machine without a C++ compiler"
     )
     return loaded
@@ -872,7 +874,7 @@ def test_llm_greedy_tokens_kernels_on_equal_off(kernel_model_dir, ops, monkeypat
     from conftest import make_prompts
 
     import engine.model_runner as model_runner
-    import kernels.cpu_ops as cpu_ops
+    import pagedserve_kernels.cpu_ops as cpu_ops
     from engine import LLM, SamplingParams
 
     prompts = make_prompts(5, seed=6, max_len=30)
@@ -1181,7 +1183,7 @@ def test_torch_backend_routes_shared_prefix_decodes_through_the_cascade(ops, hea
     beside prefills in a mixed batch) once there are CASCADE_MIN_SEQS of them sharing at least
     CASCADE_MIN_TOKENS; the result matches the kernel-free backend within bf16 rounding.
     head_dim 96 (Phi-3) takes the same kernels as 64."""
-    import kernels.cpu_backend as cpu_backend
+    import pagedserve_kernels.cpu_backend as cpu_backend
 
     n_seq, bs = cpu_backend.CASCADE_MIN_SEQS, 16
     shared = cpu_backend.CASCADE_MIN_TOKENS // bs
@@ -1221,8 +1223,8 @@ def test_llm_shared_prefix_decodes_take_the_cascade_and_keep_greedy_tokens(
     from conftest import make_prompts
 
     import engine.model_runner as model_runner
-    import kernels.cpu_backend as cpu_backend
-    import kernels.cpu_ops as cpu_ops
+    import pagedserve_kernels.cpu_backend as cpu_backend
+    import pagedserve_kernels.cpu_ops as cpu_ops
     from engine import LLM, SamplingParams
 
     monkeypatch.setattr(cpu_backend, "FUSED_DECODE_MAX_ROWS", 0)  # layer by layer: spy sees it
@@ -1313,8 +1315,8 @@ def test_llm_decode_steps_run_fused_with_the_tokens_of_the_layer_by_layer_path(
     from conftest import make_prompts
 
     import engine.model_runner as model_runner
-    import kernels.cpu_backend as cpu_backend
-    import kernels.cpu_ops as cpu_ops
+    import pagedserve_kernels.cpu_backend as cpu_backend
+    import pagedserve_kernels.cpu_ops as cpu_ops
     from engine import LLM, SamplingParams
 
     prefix = make_prompts(1, seed=21, min_len=160, max_len=160)[0]
@@ -1360,9 +1362,9 @@ def test_argmax_rows_matches_torch_argmax(ops, vocab):
 
 
 def test_build_key_changes_with_every_source_and_header(tmp_path):
-    """Editing any one .cpp or .h of kernels/csrc/ moves the build to a new directory (a rebuild),
-    and so does adding a file; a copy of the folder elsewhere builds in a directory of its own
-    (ninja rebuilds whenever a source's path changes, so two checkouts must not share one)."""
+    """Editing any one .cpp or .h of pagedserve_kernels/csrc/ moves the build to a new directory (a
+    rebuild), and so does adding a file; a copy of the folder elsewhere builds in a directory of its
+    own (ninja rebuilds whenever a source's path changes, so two checkouts must not share one)."""
     csrc = tmp_path / "csrc"
     shutil.copytree(CSRC, csrc)
     files = sorted([*csrc.glob("*.cpp"), *csrc.glob("*.h")])
@@ -1402,7 +1404,7 @@ def _package_data(package: str) -> list[str]:
 
 def test_package_ships_every_source_and_header():
     """pyproject's package-data covers every file the build reads, headers included."""
-    patterns = _package_data("kernels")
+    patterns = _package_data("pagedserve_kernels")
     needed = [f"csrc/{path.name}" for path in [*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]]
     assert any(name.endswith(".h") for name in needed)
     missing = [name for name in needed if not any(fnmatch.fnmatch(name, p) for p in patterns)]
@@ -1415,7 +1417,7 @@ def test_build_lock_clears_a_dead_builds_lock_and_admits_one_builder_at_a_time(t
     import subprocess
     import sys
 
-    from kernels.cpu_ops import build_lock
+    from pagedserve_kernels.cpu_ops import build_lock
 
     (tmp_path / "lock").write_text("left by a build that was killed")
     probe = (
@@ -1557,7 +1559,7 @@ def test_head_dim_256_prefill_takes_the_kernel_only_while_its_keys_are_few(ops):
 
 
 def test_fused_decode_declines_windowed_and_soft_capped_stacks(ops):
-    from kernels.backend import DecoderStack
+    from pagedserve_kernels.backend import DecoderStack
 
     w = torch.zeros(1, dtype=torch.bfloat16)
     stack = DecoderStack([w] * 6, w, 1e-6, 4, 1, 256, 0.0625, torch.bfloat16)

@@ -41,7 +41,7 @@ def test_grouped_dispatch_is_bit_identical_to_index_add(dtype, top_k):
 
 
 def _amx_ops():
-    from kernels.cpu_ops import load_cpu_ops
+    from pagedserve_kernels.cpu_ops import load_cpu_ops
 
     ops = load_cpu_ops()
     if ops is None or not ops.amx_available():
@@ -76,8 +76,8 @@ def amx_index_add_reference(ops, gate_up, down, x, expert_ids, weights):
 @pytest.mark.parametrize("num_tokens", [1, 5, 37])
 @pytest.mark.parametrize("top_k", [1, 2, 4])
 def test_cpu_kernel_adds_terms_as_index_add_does(num_tokens, top_k):
-    """moe_experts (kernels/csrc/experts.cpp): the same bits as a per-expert index_add_ over the
-    same AMX linears, and within bf16 rounding of the float32 oracle."""
+    """moe_experts (pagedserve_kernels/csrc/experts.cpp): the same bits as a per-expert index_add_
+    over the same AMX linears, and within bf16 rounding of the float32 oracle."""
     ops = _amx_ops()
     gen = torch.Generator().manual_seed(10 * top_k + num_tokens)
     layer = _bf16_layer(8, 64, 32, gen)

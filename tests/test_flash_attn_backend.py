@@ -16,8 +16,8 @@ from conftest import make_prompts
 from test_kernels import decode_meta, make_paged_batch, ragged_meta
 
 from engine import LLM, SamplingParams
-from kernels import default_block_size, get_attention_backend, resolve_backend_name
-from kernels.reference import paged_attention
+from pagedserve_kernels import default_block_size, get_attention_backend, resolve_backend_name
+from pagedserve_kernels.reference import paged_attention
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import count_fused_calls
 
-from kernels.cpu_ops import load_cpu_ops
+from pagedserve_kernels.cpu_ops import load_cpu_ops
 
 ops = load_cpu_ops()
 pytestmark = pytest.mark.skipif(
@@ -65,7 +65,7 @@ def test_qwen2_decodes_fused_with_the_logprobs_of_the_layer_by_layer_path(
 
 
 def assert_fused_equals_layers(model_dir, weights_per_layer: int, monkeypatch) -> None:
-    import kernels.cpu_backend as cpu_backend
+    import pagedserve_kernels.cpu_backend as cpu_backend
     from engine import LLM, SamplingParams
     from tests.conftest import make_prompts
 

@@ -218,7 +218,7 @@ def test_a_window_as_long_as_the_context_is_full_attention(tmp_path):
 
 
 def test_a_backend_without_windows_is_refused_at_start(tmp_path, monkeypatch):
-    from kernels.reference import TorchAttentionBackend
+    from pagedserve_kernels.reference import TorchAttentionBackend
 
     path = build_windowed_dir(tmp_path / "m", "gemma2")
     monkeypatch.setattr(TorchAttentionBackend, "supports_softcap", False)

@@ -1,4 +1,4 @@
-"""The fused decode step over GGUF-packed linears (kernels/csrc/decode_layers.cpp
+"""The fused decode step over GGUF-packed linears (pagedserve_kernels/csrc/decode_layers.cpp
 decode_layers_mixed): taken for a packed model, and bit-identical to the layer-by-layer packed
 path, which calls the same kernels (gguf_linear part by part, amx_linear for a bf16 linear)."""
 
@@ -10,7 +10,7 @@ import torch
 from conftest import count_fused_calls, kernel_path_fixture
 
 from engine.layers.gguf_quant import BLOCKS_FILE, GGUF_PACKED_ENV, GGUFWeights
-from kernels.cpu_ops import load_cpu_ops
+from pagedserve_kernels.cpu_ops import load_cpu_ops
 
 ops = load_cpu_ops()
 pytestmark = pytest.mark.skipif(
@@ -80,7 +80,7 @@ def packed_dir(request, tmp_path_factory):
 
 
 def _serve(model_dir, monkeypatch, max_rows: int):
-    import kernels.cpu_backend as cpu_backend
+    import pagedserve_kernels.cpu_backend as cpu_backend
     from engine import LLM
 
     monkeypatch.setenv(GGUF_PACKED_ENV, "1")
@@ -96,7 +96,7 @@ def test_packed_model_decodes_fused_with_the_bits_of_the_layer_by_layer_path(
     decode_layers_mixed call, and its greedy tokens and logprobs (the logits, to the bit) equal
     the layer-by-layer packed path's. 20 rows reach gguf_gemm's threshold (GEMM_MIN_ROWS), so
     the step must switch kernels at the same row count as the layers."""
-    import kernels.cpu_backend as cpu_backend
+    import pagedserve_kernels.cpu_backend as cpu_backend
     from engine import SamplingParams
     from tests.conftest import make_prompts
 

@@ -1,7 +1,8 @@
-"""GGUF quantized linears served packed (engine/layers/gguf_quant.py, kernels/csrc/gguf_quant.cpp,
-kernels/csrc/gguf_gemm.cpp): the re-packed layout against gguf-py's dequantization, the kernels
-(VNNI, portable, and the many-row AMX gguf_gemm) against dequantize-then-matmul, which rows take
-which kernel, and tiny GGUF models served packed against the dequantized path."""
+"""GGUF quantized linears served packed (engine/layers/gguf_quant.py,
+pagedserve_kernels/csrc/gguf_quant.cpp, pagedserve_kernels/csrc/gguf_gemm.cpp): the re-packed layout
+against gguf-py's dequantization, the kernels (VNNI, portable, and the many-row AMX gguf_gemm)
+against dequantize-then-matmul, which rows take which kernel, and tiny GGUF models served packed
+against the dequantized path."""
 
 from __future__ import annotations
 

@@ -23,11 +23,11 @@ from window_attention import (  # noqa: E402
     window_inputs,
 )
 
-from kernels import default_block_size, get_attention_backend, resolve_backend_name  # noqa: E402
-from kernels.backend import AttentionMetadata  # noqa: E402
-from kernels.reference import paged_attention, paged_decode_attention  # noqa: E402
+from pagedserve_kernels import default_block_size, get_attention_backend, resolve_backend_name  # noqa: E402
+from pagedserve_kernels.backend import AttentionMetadata  # noqa: E402
+from pagedserve_kernels.reference import paged_attention, paged_decode_attention  # noqa: E402
 
-triton_attention = pytest.importorskip("kernels.triton_attention")
+triton_attention = pytest.importorskip("pagedserve_kernels.triton_attention")
 # Triton runs interpreted on CPU and compiled where a GPU is present.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -193,7 +193,7 @@ def test_mixed_split_built_once_per_step_consecutive_decodes_as_one_slice(monkey
     """Decodes first, as the scheduler orders a step, then a prefill chunk: the decode rows go
     as one slice; the step's first layer builds the split, its other layers reuse it, and the
     next step (a new metadata object) builds its own."""
-    import kernels.reference as ref
+    import pagedserve_kernels.reference as ref
 
     query_lens, seq_lens = [1, 1, 1, 7], [5, 17, 33, 20]
     q, k_cache, v_cache, meta = mixed_batch(query_lens, seq_lens)
@@ -218,7 +218,7 @@ def test_equal_prefills_batched_match_per_sequence(monkeypatch):
     query_lens = [12, 5, 1, 12, 5, 3, 5, 1]
     seq_lens = [12, 21, 30, 12, 21, 21, 21, 9]
     q, k_cache, v_cache, meta = mixed_batch(query_lens, seq_lens)
-    import kernels.reference as ref
+    import pagedserve_kernels.reference as ref
 
     groups = []
     real = ref.attend_group
@@ -329,7 +329,7 @@ def test_reference_window_softcap_matches_dense_definition(case):
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=case_id)
 def test_reference_backend_window_softcap_matches_dense_definition(case, dtype):
     """TorchAttentionBackend.forward: batched decodes, grouped prefills, one-off chunks."""
-    from kernels.reference import TorchAttentionBackend
+    from pagedserve_kernels.reference import TorchAttentionBackend
 
     q, k_cache, v_cache, meta, scale, window, softcap, want, _ = window_inputs(case)
     # The batched decode gathers whole blocks under a mask; tails past a length hold stale,
@@ -346,7 +346,7 @@ def test_reference_batched_decode_window_groups_of_equal_prefills():
     # two equal chunks (grouped) and four decodes with a window, against the per-sequence oracle
     query_lens, seq_lens = [6, 1, 6, 1, 1, 1], [40, 70, 40, 5, 33, 48]
     case = (8, 4, 2, 64, query_lens, seq_lens, 10, 0.0)
-    from kernels.reference import TorchAttentionBackend
+    from pagedserve_kernels.reference import TorchAttentionBackend
 
     q, k_cache, v_cache, meta, scale, window, softcap, want, skipped = window_inputs(case)
     assert skipped == [3, 7, 3, 0, 2, 4]

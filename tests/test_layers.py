@@ -27,11 +27,11 @@ from engine.layers import (
     select_impls,
 )
 from engine.layers.rotary import NativeRope
-from kernels.backend import AttentionBackend, AttentionMetadata
-from kernels.cpu_backend import CpuAttentionBackend
-from kernels.cpu_linear import PackedLinear
-from kernels.cpu_ops import cpu_kernels_enabled, load_cpu_ops
-from kernels.reference import TorchAttentionBackend
+from pagedserve_kernels.backend import AttentionBackend, AttentionMetadata
+from pagedserve_kernels.cpu_backend import CpuAttentionBackend
+from pagedserve_kernels.cpu_linear import PackedLinear
+from pagedserve_kernels.cpu_ops import cpu_kernels_enabled, load_cpu_ops
+from pagedserve_kernels.reference import TorchAttentionBackend
 
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}
 MODELS_DIR = Path(__file__).resolve().parent.parent / "engine" / "models"
@@ -42,7 +42,9 @@ def ops():
     if not cpu_kernels_enabled():
         pytest.skip("PAGEDSERVE_CPU_KERNELS=0: the CPU kernels are turned off")
     loaded = load_cpu_ops()
-    assert loaded is not None, "kernels/csrc did not build (see the warning load_cpu_ops logged)"
+    assert loaded is not None, (
+        "pagedserve_kernels/csrc did not build (see the warning load_cpu_ops logged)"
+    )
     return loaded
 
 
@@ -328,6 +330,6 @@ def test_no_model_file_references_the_cpu_kernels():
         assert not hits, f"{path.name} references the CPU kernels: {sorted(set(hits))}"
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ImportFrom):
-                assert node.module in ("__future__", "torch", "torch.nn", "kernels") or (
+                assert node.module in ("__future__", "torch", "torch.nn", "pagedserve_kernels") or (
                     node.module.startswith(("engine.layers", "engine.models"))
                 ), f"{path.name} imports {node.module}"

@@ -211,7 +211,7 @@ def test_bf16_decodes_on_the_cpu_fast_path(family, prompts):
     fused checkpoints included) takes the fused decode step, and the MoE experts bind to the
     expert kernel: a family off the fast path fails here, not only as a slow benchmark row."""
     from engine.layers import Experts
-    from kernels.cpu_ops import load_cpu_ops
+    from pagedserve_kernels.cpu_ops import load_cpu_ops
 
     ops = load_cpu_ops()
     if ops is None or not ops.amx_available():
@@ -244,7 +244,7 @@ def test_phi3_head_dim_96_attention_runs_the_amx_kernels(tmp_path_factory, promp
     own cache), as for Llama's head_dim 64 and 128; tokens stay complete."""
     import torch
 
-    from kernels.cpu_ops import load_cpu_ops
+    from pagedserve_kernels.cpu_ops import load_cpu_ops
 
     ops = load_cpu_ops()
     if ops is None or not ops.amx_available():

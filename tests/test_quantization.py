@@ -1,4 +1,4 @@
-"""--quantization int8 (engine/layers/quantization.py, kernels/csrc/quant_linear.cpp).
+"""--quantization int8 (engine/layers/quantization.py, pagedserve_kernels/csrc/quant_linear.cpp).
 
 The kernels are checked against dequantize-then-matmul in float64 on the same quantized values;
 the served default model against the bf16 path (agreement bounds measured, see test docstrings).

@@ -94,7 +94,7 @@ def test_each_rank_reads_only_its_slice(tmp_path, monkeypatch):
     import engine.distributed as distributed
     import engine.weight_loader as weight_loader
     from engine.models import get_model_class
-    from kernels import get_attention_backend
+    from pagedserve_kernels import get_attention_backend
 
     path = build_case_dir(tmp_path / "llama", "llama-1kv-tied")
     full = load_file(next(path.glob("*.safetensors")))

@@ -1,5 +1,5 @@
 """Sliding-window and soft-capped attention cases for every backend's tests, and the definition
-they are checked against: a dense masked softmax written here, independent of kernels/.
+they are checked against: a dense masked softmax written here, independent of pagedserve_kernels/.
 
 make_window_batch lays each sequence's K/V into shuffled cache blocks the way the KV manager
 does for a sliding-window group: the table entries of blocks wholly before a sequence's first
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import AttentionMetadata
+from pagedserve_kernels.backend import AttentionMetadata
 
 # (block_size, num_heads, num_kv_heads, head_dim, query_lens, seq_lens, window, softcap): decodes,
 # chunked prefill (q_len < kv_len) and whole prompts, windows shorter than, equal to and longer

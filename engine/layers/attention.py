@@ -1,5 +1,5 @@
 """Paged attention over one layer's KV cache: writes the new tokens' K/V by slot, then attends
-through the attention backend (kernels/), which chose its own kernels when it was built.
+through the attention backend (pagedserve_kernels/), which chose its own kernels when it was built.
 
 A layer may have a sliding window (window W: the query at position i sees keys i - W < j <= i,
 Hugging Face's sliding_window) and attention-logit soft-capping (scores = c * tanh(scores / c)).
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels import AttentionBackend, AttentionMetadata
+from pagedserve_kernels import AttentionBackend, AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 

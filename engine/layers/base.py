@@ -15,7 +15,7 @@ NATIVE, CPU = "native", "cpu"
 
 class KernelLayer(nn.Module):
     impl: str = NATIVE  # which implementation select() bound
-    ops = None  # the CPU kernels (kernels.cpu_ops) once impl is CPU
+    ops = None  # the CPU kernels (pagedserve_kernels.cpu_ops) once impl is CPU
 
     def forward(self, *args, **kwargs):
         return self.forward_native(*args, **kwargs)
@@ -51,7 +51,7 @@ class KernelLayer(nn.Module):
 def select_impls(model: nn.Module, ops) -> dict[str, int]:
     """Chooses every KernelLayer's implementation in model, once; returns impl -> count.
 
-    ops: kernels.cpu_ops.load_cpu_ops() on a CPU device, or None for the torch oracles.
+    ops: pagedserve_kernels.cpu_ops.load_cpu_ops() on a CPU device, or None for the torch oracles.
     """
     counts: dict[str, int] = {}
     for module in list(model.modules()):  # selecting adds modules (packed weights)

@@ -7,9 +7,9 @@ are stacked at load (engine/models/qwen3_moe.py). Under tensor parallelism every
 every expert with its share of the intermediate size (gate/up rows, down columns) and one
 all-reduce sums the partial outputs, as a row-parallel linear does.
 
-On CPU in bf16 with the C++ kernels (AMX) the experts bind to kernels/csrc/experts.cpp: every
-expert's weights packed once at select() (amx_pack_weight, the unpacked copies dropped) and one
-moe_experts call per layer and step that runs only the experts with routed rows, with the
+On CPU in bf16 with the C++ kernels (AMX) the experts bind to pagedserve_kernels/csrc/experts.cpp:
+every expert's weights packed once at select() (amx_pack_weight, the unpacked copies dropped) and
+one moe_experts call per layer and step that runs only the experts with routed rows, with the
 oracle's grouping and its rounding of each weighted term and each add.
 """
 

@@ -5,8 +5,8 @@ float32 weights (BLOCKS_FILE in the model folder). At load each decoder Linear a
 whose GGUF tensors are of a type in GGUF_TYPES bind to GGUFWeights and drop their float copy;
 a tied lm_head's embedding then gathers its rows from the same packed tensor (GGUFEmbedding).
 
-Every type is re-packed once into one layout (kernels/csrc/gguf_quant.cpp has the byte map):
-unsigned quants u of `bits` bits, scales per `sub` weights and, for the types with a min, mins
+Every type is re-packed once into one layout (pagedserve_kernels/csrc/gguf_quant.cpp has the byte
+map): unsigned quants u of `bits` bits, scales per `sub` weights and, for the types with a min, mins
 per 32:
 
     W[n, k] = s[n, k // sub] * (u[n, k] - zero)      Q8_0 (zero 128), Q4_0 (8), Q5_0 (16), Q6_K (32)
@@ -19,9 +19,9 @@ for the K types (d * sc and dmin * m are not fp16-exact). W is gguf-py's dequant
 multiplies it without unpacking to memory: activations quantized per 32-block to int8, integer
 dots (AVX-512 VNNI or a portable loop), one float multiply-add per block. Calls of at least
 GEMM_MIN_ROWS rows (prefill chunks, batched decode) go where the CPU has AMX to gguf_gemm
-(kernels/csrc/gguf_gemm.cpp), which dequantizes 32 channels at a time into an L2-resident bf16
-tile buffer and multiplies it on AMX: the bits of dequantize-then-bf16-matmul, summed in another
-order. Without AMX, calls of more than VNNI_MAX_ROWS rows dequantize the whole weight to x's
+(pagedserve_kernels/csrc/gguf_gemm.cpp), which dequantizes 32 channels at a time into an L2-resident
+bf16 tile buffer and multiplies it on AMX: the bits of dequantize-then-bf16-matmul, summed in
+another order. Without AMX, calls of more than VNNI_MAX_ROWS rows dequantize the whole weight to x's
 dtype and run one matmul. Elsewhere (other devices, no kernels) forward_native dequantizes and
 runs F.linear.
 """
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_ops import load_cpu_ops
+from pagedserve_kernels.cpu_ops import load_cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ BLOCKS_FILE = "gguf_blocks.bin"  # safetensors format; not *.safetensors, so not
 LANES, BLOCK = 16, 32
 # Where the CPU has AMX, calls of at least this many rows run gguf_gemm, fewer the integer
 # kernel (bench/gguf_gemm.py measures both against bf16 weights at M = 8..256). The fused decode
-# step has the same rule in C++ (kernels/csrc/ops.h kGgufGemmMinRows).
+# step has the same rule in C++ (pagedserve_kernels/csrc/ops.h kGgufGemmMinRows).
 GEMM_MIN_ROWS = 16
 # Without AMX: rows up to this run the integer kernel; more dequantize the weight and run one
 # matmul, which only pays off for long prefill chunks (bench/quantization.py --gguf).
@@ -227,8 +227,8 @@ class PackedQuant(nn.Module):
         return self._combine(u, s, m).to(dtype)
 
     def gather_rows(self, ids: torch.Tensor, dtype: torch.dtype, ops=None) -> torch.Tensor:
-        """dequantize_rows' bits, on the C++ kernel where ops (kernels.cpu_ops) has it: one
-        call instead of a dozen torch ops (one row: 14-24 us against 82-95 alone)."""
+        """dequantize_rows' bits, on the C++ kernel where ops (pagedserve_kernels.cpu_ops) has it:
+        one call instead of a dozen torch ops (one row: 14-24 us against 82-95 alone)."""
         if ops is None or ids.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             return self.dequantize_rows(ids, dtype)
         out = torch.empty(len(ids), self.in_features, dtype=dtype)

@@ -1,5 +1,6 @@
 """Linear with optional bias. Its CPU implementation is the packed bf16 linear of
-kernels/cpu_linear.py (oneDNN packing, and the AMX kernel where the C++ kernels loaded)."""
+pagedserve_kernels/cpu_linear.py (oneDNN packing, and the AMX kernel where the C++ kernels
+loaded)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 from engine.distributed import all_reduce, get_tp
 from engine.layers.base import CPU, NATIVE, KernelLayer
 from engine.layers.quantization import select_quantized
-from kernels.cpu_linear import PackedLinear, can_pack
+from pagedserve_kernels.cpu_linear import PackedLinear, can_pack
 
 PACKED = "packed"  # oneDNN-packed weights without the C++ kernels (they did not load)
 

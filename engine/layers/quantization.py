@@ -10,9 +10,9 @@ and the float weight is dropped. At every call each row (token) of x is quantize
 
     y[m, n] = float(dot(x_q[m], W_q[n])) * (x_scale[m] * w_scale[n]) + bias[n]
 
-is rounded once to x's dtype. On CPU the C++ kernel (kernels/csrc/quant_linear.cpp, int8_linear:
-AVX-512 VNNI or its portable loop) runs it on a packed copy; elsewhere the torch path below
-(same math, float32 sums of the integers) does.
+is rounded once to x's dtype. On CPU the C++ kernel (pagedserve_kernels/csrc/quant_linear.cpp,
+int8_linear: AVX-512 VNNI or its portable loop) runs it on a packed copy; elsewhere the torch path
+below (same math, float32 sums of the integers) does.
 
     mark_quantized(model, "int8")   # before select_impls: Linear.select() then binds int8
 

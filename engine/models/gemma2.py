@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.layers import Attention, GeluAndMul, RMSNorm, layer_windows
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from kernels import AttentionBackend, AttentionMetadata
+from pagedserve_kernels import AttentionBackend, AttentionMetadata
 
 
 class GemmaAttention(LlamaAttention):

@@ -14,7 +14,7 @@ import torch
 from engine.layers import RMSNorm, check_rope, rope_from_config
 from engine.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaAttention
 from engine.models.llama import head_dim_of
-from kernels import AttentionBackend
+from pagedserve_kernels import AttentionBackend
 
 
 class Gemma3Attention(GemmaAttention):

@@ -1,9 +1,9 @@
 """Llama-family decoder (Llama, SmolLM): RMSNorm, RoPE, GQA, SwiGLU, optional tied embeddings.
 
 Runs one flattened batch of tokens from many sequences (no padding); attention goes through a
-paged-KV backend from kernels/. Numerics follow Hugging Face's implementation op for op so that
-float32 greedy decoding matches transformers token for token. The layers (engine/layers/) pick
-their fast paths at load; this file only composes them.
+paged-KV backend from pagedserve_kernels/. Numerics follow Hugging Face's implementation op for op
+so that float32 greedy decoding matches transformers token for token. The layers (engine/layers/)
+pick their fast paths at load; this file only composes them.
 
 Module names follow Hugging Face's (model.embed_tokens, model.layers[i].self_attn / .mlp /
 .input_layernorm / .post_attention_layernorm, model.norm, lm_head); engine/fused_decode.py reads
@@ -30,7 +30,7 @@ from engine.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from kernels import AttentionBackend, AttentionMetadata
+from pagedserve_kernels import AttentionBackend, AttentionMetadata
 
 
 class LlamaAttention(nn.Module):

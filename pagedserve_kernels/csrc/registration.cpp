@@ -1,6 +1,6 @@
 // torch.ops.pagedserve_cpu: every op of the CPU kernels, built on first use by
-// kernels/cpu_ops.py (torch.utils.cpp_extension) from all sources in this folder. The torch ops
-// (kernels/reference.py and the layers' torch paths) are the oracle the tests compare against.
+// pagedserve_kernels/cpu_ops.py (torch.utils.cpp_extension) from all sources in this folder. The torch ops
+// (pagedserve_kernels/reference.py and the layers' torch paths) are the oracle the tests compare against.
 //   elementwise.cpp
 //     rms_norm                 Llama RMSNorm (Hugging Face's rounding) into out
 //     fused_add_rms_norm       residual += x, then x = rms_norm(residual), in place

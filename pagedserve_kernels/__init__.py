@@ -1,7 +1,7 @@
 """Attention backends over a paged KV cache, behind one interface (see backend.py).
 
 auto: flash_attn where it imports on CUDA, else triton on CUDA, else "torch": on CPU the C++
-kernels (kernels/cpu_backend.py) where they build, otherwise the pure-torch reference.
+kernels (pagedserve_kernels/cpu_backend.py) where they build, otherwise the pure-torch reference.
 An explicit name is honoured on any device where its module imports (tests drive the
 flash-attn path on CPU through a stand-in module).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from kernels.backend import AttentionBackend, AttentionMetadata
+from pagedserve_kernels.backend import AttentionBackend, AttentionMetadata
 
 __all__ = [
     "AttentionBackend",
@@ -41,7 +41,7 @@ def resolve_backend_name(name: str = "auto", device: str = "cpu") -> str:
 def default_block_size(name: str = "auto", device: str = "auto") -> int:
     """16, except 256 where flash-attn 2 will run (its paged KV needs multiples of 256)."""
     if resolve_backend_name(name, device) == "flash_attn" and _flash_attn_version() == 2:
-        from kernels.flash_attn import FA2_BLOCK_SIZE_MULTIPLE
+        from pagedserve_kernels.flash_attn import FA2_BLOCK_SIZE_MULTIPLE
 
         return FA2_BLOCK_SIZE_MULTIPLE
     return DEFAULT_BLOCK_SIZE
@@ -70,21 +70,25 @@ def get_attention_backend(
 def _build_torch(device: str) -> AttentionBackend:
     """On CPU the C++ kernels' backend; the pure-torch reference where they do not build or are
     turned off (PAGEDSERVE_CPU_KERNELS=0), and on other devices."""
-    from kernels.reference import TorchAttentionBackend
+    from pagedserve_kernels.reference import TorchAttentionBackend
 
     if device == "cpu":
-        from kernels.cpu_ops import load_cpu_ops
+        from pagedserve_kernels.cpu_ops import load_cpu_ops
 
         ops = load_cpu_ops()
         if ops is not None:
-            from kernels.cpu_backend import CpuAttentionBackend
+            from pagedserve_kernels.cpu_backend import CpuAttentionBackend
 
             return CpuAttentionBackend(ops)
     return TorchAttentionBackend()
 
 
 def _build_flash_attn(device: str, block_size: int | None) -> AttentionBackend:
-    from kernels.flash_attn import FlashAttentionBackend, check_block_size, import_flash_attn
+    from pagedserve_kernels.flash_attn import (
+        FlashAttentionBackend,
+        check_block_size,
+        import_flash_attn,
+    )
 
     found = import_flash_attn()
     if found is None:
@@ -98,7 +102,7 @@ def _build_flash_attn(device: str, block_size: int | None) -> AttentionBackend:
         check_block_size(block_size, version)
     store_kv = None
     if device == "cuda" and importlib.util.find_spec("triton"):
-        from kernels.triton_attention import store_kv
+        from pagedserve_kernels.triton_attention import store_kv
     return FlashAttentionBackend(module, version, store_kv)
 
 
@@ -110,14 +114,14 @@ def _build_triton(device: str) -> AttentionBackend:
             "attention backend triton runs on CUDA; on CPU it needs TRITON_INTERPRET=1 "
             "(Triton's interpreter, for tests)"
         )
-    from kernels.triton_attention import TritonAttentionBackend
+    from pagedserve_kernels.triton_attention import TritonAttentionBackend
 
     return TritonAttentionBackend()
 
 
 def _flash_attn_version() -> int | None:
     """3 or 2 if it imports (a wheel built for another torch fails here, not later), else None."""
-    from kernels.flash_attn import import_flash_attn
+    from pagedserve_kernels.flash_attn import import_flash_attn
 
     found = import_flash_attn()
     return None if found is None else found[1]

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import AttentionBackend, AttentionMetadata
-from kernels.reference import paged_attention_mixed
+from pagedserve_kernels.backend import AttentionBackend, AttentionMetadata
+from pagedserve_kernels.reference import paged_attention_mixed
 
 
 @triton.jit

@@ -1,6 +1,7 @@
 """Pure-torch paged attention: the oracle every other backend is tested against.
 
-No kernels here: the CPU C++ kernels live behind kernels/cpu_backend.py, which builds on this.
+No kernels here: the CPU C++ kernels live behind pagedserve_kernels/cpu_backend.py, which builds on
+this.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import AttentionBackend, AttentionMetadata
+from pagedserve_kernels.backend import AttentionBackend, AttentionMetadata
 
 
 def write_kv_by_slot(
@@ -292,7 +293,7 @@ def paged_decode_attention(
 class TorchAttentionBackend(AttentionBackend):
     """The reference backend: decoding sequences take the batched path, prefill sequences the
     grouped SDPA of paged_attention_mixed. Subclasses swap in kernels for write_kv, decode and
-    prefill (kernels/cpu_backend.py)."""
+    prefill (pagedserve_kernels/cpu_backend.py)."""
 
     name = "torch"
     supports_sliding_window = True

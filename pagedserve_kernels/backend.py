@@ -101,8 +101,9 @@ class AttentionBackend:
 
 @dataclass
 class QuantPart:
-    """Consecutive output rows of a linear in one GGUF type, in kernels/csrc/gguf_quant.cpp's
-    re-packed layout (engine/layers/gguf_quant.py PackedQuant's buffers)."""
+    """Consecutive output rows of a linear in one GGUF type, in
+    pagedserve_kernels/csrc/gguf_quant.cpp's re-packed layout (engine/layers/gguf_quant.py
+    PackedQuant's buffers)."""
 
     qs: torch.Tensor  # uint8 [G, B, 4 or 8, 64]
     qh: torch.Tensor | None  # uint8 [G, B, 1 or 2, 64]: 5 and 6 bits only

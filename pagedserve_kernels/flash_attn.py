@@ -27,8 +27,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import AttentionBackend, AttentionMetadata
-from kernels.reference import write_kv_by_slot
+from pagedserve_kernels.backend import AttentionBackend, AttentionMetadata
+from pagedserve_kernels.reference import write_kv_by_slot
 
 FA2_BLOCK_SIZE_MULTIPLE = 256
 

@@ -2,8 +2,8 @@
 
 torch's F.linear repacks the weight on every call; a pre-packed weight skips that. Prefill-sized
 calls go to oneDNN with a weight packed for many rows. Decode-sized calls (up to AMX_MAX_ROWS)
-go to our kernel (kernels/csrc/linear.cpp, dense_linear), which streams the weight once: on AMX
-tiles where the CPU has AMX, else on AVX-512 BF16 vectors (the same packed weight); otherwise
+go to our kernel (pagedserve_kernels/csrc/linear.cpp, dense_linear), which streams the weight once:
+on AMX tiles where the CPU has AMX, else on AVX-512 BF16 vectors (the same packed weight); otherwise
 (neither) to oneDNN with a packing tuned for few rows. Narrow linears (at most
 AMX_NARROW_MAX_OUT outputs) take the AMX kernel at every row count, as it splits the output
 columns over all threads (not the vector body: measured on AMX only). The row and width
@@ -17,9 +17,9 @@ length made memory grow for thousands of requests: oneDNN calls run on rows padd
 a few sizes per doubling (onednn_rows()), which bounds both caches and the compiling, for at
 most 1/8 more rows past 128 (bench/onednn_rows.py measures both, exact against padded).
 
-Batch invariance (kernels.cpu_ops.batch_invariant()): our kernel takes every call, so a row's
-result is the same bits at any row count (both bodies run each row's K loop alone; oneDNN picks
-its blocking by M).
+Batch invariance (pagedserve_kernels.cpu_ops.batch_invariant()): our kernel takes every call, so a
+row's result is the same bits at any row count (both bodies run each row's K loop alone; oneDNN
+picks its blocking by M).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu_ops import batch_invariant
+from pagedserve_kernels.cpu_ops import batch_invariant
 
 DECODE_ROWS = 32  # packing hint for decode-sized batches
 PREFILL_ROWS = 2048  # packing hint for prefill chunks
@@ -50,7 +50,7 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 class PackedLinear(nn.Module):
     """linear: an nn.Linear or engine.layers.Linear (weight [out, in], bias or None).
-    ops: kernels.cpu_ops, whose dense_linear then takes the calls it fits, or None."""
+    ops: pagedserve_kernels.cpu_ops, whose dense_linear then takes the calls it fits, or None."""
 
     def __init__(self, linear: nn.Module, ops=None) -> None:
         super().__init__()
@@ -120,7 +120,7 @@ def _amx_fits(ops, w: torch.Tensor) -> bool:
 def pack_linears(model: nn.Module, ops=None) -> int:
     """Swaps every nn.Linear in model for a PackedLinear; returns how many.
 
-    ops: kernels.cpu_ops (its AMX kernel takes decode-sized calls), or None.
+    ops: pagedserve_kernels.cpu_ops (its AMX kernel takes decode-sized calls), or None.
     """
     swaps = [
         (parent, name, child)

@@ -1,9 +1,10 @@
-"""Fused CPU kernels (kernels/csrc/, one .cpp per family), compiled on first use and cached.
+"""Fused CPU kernels (pagedserve_kernels/csrc/, one .cpp per family), compiled on first use and
+cached.
 
     ops = load_cpu_ops()   # torch.ops.pagedserve_cpu, or None: use the torch ops instead
 
-Every .cpp in kernels/csrc/ is compiled (ninja builds them in parallel) and linked into one
-extension; kernels/csrc/registration.cpp registers the ops. The build lands in
+Every .cpp in pagedserve_kernels/csrc/ is compiled (ninja builds them in parallel) and linked into
+one extension; pagedserve_kernels/csrc/registration.cpp registers the ops. The build lands in
 $PAGEDSERVE_CACHE/kernels/<build_key()> (or under the temp dir when the cache is read-only, as
 in the CPU image), a hash over every source and header, torch, the flags and the CPU's flags, so
 editing any file rebuilds and a second start loads it in well under a second; a machine without
@@ -45,7 +46,7 @@ def batch_invariant() -> bool:
     prefill kernel, no cascade. It holds where those kernels cover the model (bf16, AMX or
     AVX-512 BF16, head_dim a multiple of 32 from 64 to 256, block_size a multiple of 16);
     elsewhere the usual paths run.
-    Read when a model loads (kernels/cpu_linear.py, kernels/cpu_backend.py);
+    Read when a model loads (pagedserve_kernels/cpu_linear.py, pagedserve_kernels/cpu_backend.py);
     bench/batch_invariance.py measures the check and the cost."""
     return any(
         os.environ.get(name, "0") not in ("", "0", "false", "off") for name in BATCH_INVARIANT_ENV

@@ -1,15 +1,15 @@
 """The CPU C++ kernels' attention backend: KV writes, decode, prefill, cascade, fused decode.
 
-Built on the reference backend (kernels/reference.py): the same batching, with the kernels of
-kernels/cpu_ops.py in place of its gathers and SDPA calls. The paged decode kernel takes every
-decode batch; in bf16 where AMX or AVX-512 BF16 is available the prefill kernel takes every
-sequence with more than one new token, and the cascade kernel decodes over a shared prefix.
-fused_decode() runs a whole decode step through every layer in one call (ops.decode_layers;
+Built on the reference backend (pagedserve_kernels/reference.py): the same batching, with the
+kernels of pagedserve_kernels/cpu_ops.py in place of its gathers and SDPA calls. The paged decode
+kernel takes every decode batch; in bf16 where AMX or AVX-512 BF16 is available the prefill kernel
+takes every sequence with more than one new token, and the cascade kernel decodes over a shared
+prefix. fused_decode() runs a whole decode step through every layer in one call (ops.decode_layers;
 ops.decode_layers_mixed where GGUF-packed linears are among them). The thresholds below are
 chosen by measurement: bench/README.md says how to rerun it (bench/cpu_ab.py).
 
-Batch invariance (kernels.cpu_ops.batch_invariant(), `--batch-invariant`): the decode kernel
-and the prefill kernel reduce a query's keys in different orders, and the cascade merges two
+Batch invariance (pagedserve_kernels.cpu_ops.batch_invariant(), `--batch-invariant`): the decode
+kernel and the prefill kernel reduce a query's keys in different orders, and the cascade merges two
 partial softmaxes, so which one a query meets (a decode step, a one-token prefill chunk, a
 shared prefix in the batch) would change its bits. In this mode every query, decode rows too,
 goes through the prefill kernel, whose per-query result depends on nothing else in the step,
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.backend import AttentionMetadata, DecoderStack, FusedDecodeStep, QuantLinear
-from kernels.cpu_ops import batch_invariant as batch_invariant_default
-from kernels.reference import TorchAttentionBackend
+from pagedserve_kernels.backend import AttentionMetadata, DecoderStack, FusedDecodeStep, QuantLinear
+from pagedserve_kernels.cpu_ops import batch_invariant as batch_invariant_default
+from pagedserve_kernels.reference import TorchAttentionBackend
 
 # Decode batches whose sequences share a prefix at least this long, this many of them, read it
 # once for all (the cascade kernel); below either, the one-pass decode kernel is as fast.
@@ -37,20 +37,21 @@ PREFILL_D256_MAX_KEYS = 2048
 # --head-dim-case).
 PREFILL_LONG_MAX_HEAD_DIM = 128
 # Decode steps up to this many sequences run every layer in one kernel call (ops.decode_layers);
-# dense_linear takes every decode-sized call up to here (kernels/cpu_linear.py AMX_MAX_ROWS).
+# dense_linear takes every decode-sized call up to here (pagedserve_kernels/cpu_linear.py
+# AMX_MAX_ROWS).
 FUSED_DECODE_MAX_ROWS = 32
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """ops: the loaded kernels (kernels.cpu_ops.load_cpu_ops()). Named "torch" as the CLI's
-    --attention-backend torch is, on CPU, these kernels over the reference."""
+    """ops: the loaded kernels (pagedserve_kernels.cpu_ops.load_cpu_ops()). Named "torch" as the
+    CLI's --attention-backend torch is, on CPU, these kernels over the reference."""
 
     name = "torch"
     supports_cascade = True
     supports_fused_decode = True
 
     def __init__(self, ops, batch_invariant: bool | None = None) -> None:
-        """batch_invariant: None reads kernels.cpu_ops.batch_invariant()."""
+        """batch_invariant: None reads pagedserve_kernels.cpu_ops.batch_invariant()."""
         self.ops = ops
         self.batch_invariant = batch_invariant_default() if batch_invariant is None else (
             batch_invariant
