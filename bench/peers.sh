@@ -122,11 +122,11 @@ run_one() {  # $1: label, $2: workload, $3: concurrency; into $OUT, prompts from
 }
 
 tree_rss_kb() {  # $1: pid; resident KiB of it and all its descendants (vLLM runs a child engine)
-  local total=0 pid kids
-  total=$(ps -o rss= -p "$1" 2>/dev/null | tr -d ' ' || true)
-  total=${total:-0}
-  kids=$(pgrep -P "$1" || true)
-  for pid in $kids; do total=$((total + $(tree_rss_kb "$pid"))); done
+  local total=0 pid rss
+  for pid in $(tree_pids "$1"); do
+    rss=$(ps -o rss= -p "$pid" 2>/dev/null | tr -d ' ' || true)
+    total=$((total + ${rss:-0}))
+  done
   echo "$total"
 }
 
@@ -279,8 +279,7 @@ if [ "$ROUNDS" -gt 1 ]; then
     awk -v d=$((t1 - t0)) -v hz="$(getconf CLK_TCK)" -v p="$peer" \
       'BEGIN {printf "[%s] idle CPU over 10 s: %.3f cores\n", p, d / hz / 10}'
   done
-  pause_all() { for peer in "${servers[@]}"; do signal_tree STOP "${PID_OF[$peer]}"; done; }
-  pause_all
+  for peer in "${servers[@]}"; do signal_tree STOP "${PID_OF[$peer]}"; done
   for r in $(seq "$ROUNDS"); do
     OUT=$BASE_OUT/round$r SEED=$r
     mkdir -p "$OUT"
