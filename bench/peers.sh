@@ -269,8 +269,8 @@ if [ "$ROUNDS" -gt 1 ]; then
   done
   servers=("${!PORT_OF[@]}")
   # An idle server is not idle everywhere: idle for 10 s, vLLM's CPU build used 0.01-0.50 of a
-  # core (0.50 after a load; pagedserve 0.003-0.015). Each server's CPU over the 10 s after a warm-up
-  # request is printed once, and from then on every server but the one measured is stopped
+  # core (0.50 after a load; pagedserve 0.003-0.015). Each server's CPU over the 10 s after a
+  # warm-up request is printed once, and from then on every server but the one measured is stopped
   # (SIGSTOP on its process tree, SIGCONT after), so no peer's idle loop runs during another's
   # cell or the machine probe: the machine is as if each server ran on it alone.
   for peer in "${servers[@]}"; do
