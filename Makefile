@@ -32,6 +32,7 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check server engine pagedserve_kernels tests bench
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import timeit
 
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.core.block_pool import BlockPool
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
 NUM_BLOCKS = 4096

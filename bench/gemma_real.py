@@ -214,7 +214,7 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true")
     args = ap.parse_args()
 
-    from engine.model_loader import packaged_gguf
+    from engine.model_loader.loader import packaged_gguf
 
     gguf = packaged_gguf(PACKAGE)
     engines = [PagedServe("float32"), PagedServe("bfloat16")]

@@ -122,7 +122,7 @@ def main() -> None:
         sys.exit(f"{LLAMACPP_BIN} is missing: bash bench/install_llamacpp.sh")
     from transformers import AutoTokenizer
 
-    from engine.model_loader import resolve_model
+    from engine.model_loader.loader import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model(None))
     prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]

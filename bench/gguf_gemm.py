@@ -8,7 +8,7 @@ Per linear shape of the default model (SmolLM2-135M: q, k/v, o, gate_up, down, l
 type (random valid blocks) and row count M, the time per call of: bf16 weights on the AMX linear
 (pagedserve_kernels/cpu_linear.py PackedLinear), the VNNI integer kernel (gguf_linear), dequantize +
 matmul (gguf_dequantize, then F.linear), and gguf_gemm; then the old dispatch (VNNI up to
-VNNI_MAX_ROWS rows, dequantize + matmul above) and the new one (engine/layers/gguf_quant.py
+VNNI_MAX_ROWS rows, dequantize + matmul above) and the new one (engine/layers/quantization/gguf.py
 GEMM_MIN_ROWS) relative to bf16. The arms run interleaved, round after round, and each keeps its
 best round. With one thread the clock is the process's CPU time (what the call costs, whatever else
 the machine runs); with more it is the wall clock (CPU time would count the workers' spinning).
@@ -29,8 +29,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.layers import gguf_quant
-from engine.layers.gguf_quant import GGUF_TYPES, VNNI_MAX_ROWS, pack_parts
+from engine.layers.quantization import gguf as gguf_quant
+from engine.layers.quantization.gguf import GGUF_TYPES, VNNI_MAX_ROWS, pack_parts
 from pagedserve_kernels.cpu_linear import PackedLinear
 from pagedserve_kernels.cpu_ops import load_cpu_ops
 

@@ -43,7 +43,7 @@ import time
 import torch
 from quantization import f32_scales, per_output_token, quantized_default  # bench/
 
-from engine.layers.gguf_quant import GGUF_PACKED_ENV, GGUFWeights
+from engine.layers.quantization.gguf import GGUF_PACKED_ENV, GGUFWeights
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pagedserve_kernels.cpu_ops import load_cpu_ops

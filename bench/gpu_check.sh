@@ -47,7 +47,7 @@ if [ -z "$MODEL" ] && compgen -G ".gpu_model/*.gguf.part-*" >/dev/null; then
   name=$(basename "$(ls .gpu_model/*.gguf.part-* | head -1)" | sed 's/\.part-.*//')
   cat .gpu_model/"$name".part-* > "/tmp/$name" && MODEL=/tmp/$name
 fi
-MODEL_DIR=$($PY -c "import sys; from engine.model_loader import resolve_model; \
+MODEL_DIR=$($PY -c "import sys; from engine.model_loader.loader import resolve_model; \
 print(resolve_model(sys.argv[1] or None))" "$MODEL" 2>"$LOG_DIR/model.log" | tail -1)
 if [ -z "$MODEL_DIR" ]; then
   echo "no default model here (see bench/README.md, GPU check): $(tail -2 "$LOG_DIR/model.log")"

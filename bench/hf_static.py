@@ -67,7 +67,7 @@ def main() -> None:
     args = p.parse_args()
 
     if args.model_dir is None:
-        from engine.model_loader import resolve_model
+        from engine.model_loader.loader import resolve_model
 
         args.model_dir = str(resolve_model(None))
     vocab = json.loads((Path(args.model_dir) / "config.json").read_text())["vocab_size"]

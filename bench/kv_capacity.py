@@ -16,7 +16,7 @@ request (allocated slots - tokens) in blocks. No torch, no model: pure bookkeepi
 --sliding: the sliding-window case. A Gemma-3-like stack (18 layers, 5 local : 1 global, local
 window 512 or 1024) with the same KV memory laid out two ways, through the real Scheduler:
 
-  hybrid      KV cache groups (engine/kv_cache_groups.py): 6 groups of 3 layers over one pool,
+  hybrid      KV cache groups (engine/core/kv_cache_groups.py): 6 groups of 3 layers over one pool,
               the local groups returning blocks that slid out of the window
   keep-all    one group of all 18 layers: every layer keeps every block
 
@@ -39,12 +39,12 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import EngineConfig
-from engine.kv_cache_groups import plan_kv_groups
-from engine.kv_cache_manager import cdiv
+from engine.core.kv_cache_groups import plan_kv_groups
+from engine.core.kv_cache_manager import cdiv
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
 from engine.outputs import ModelRunnerOutput
-from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 
 _EOS = 2
 _OTHER = 7

@@ -1,4 +1,4 @@
-"""What the playground's KV view costs the engine (engine/kv_view.py, server/kv_api.py).
+"""What the playground's KV view costs the engine (engine/core/kv_view.py, server/kv_api.py).
 
 1. Snapshot cost at 1k and 100k blocks, pool ~90% held by up to 256 running requests that
    share a prefix: `take_snapshot` (the part on the engine thread) the first time (every
@@ -26,11 +26,11 @@ import statistics
 import time
 
 from engine.config import EngineConfig
-from engine.kv_view import KVView, take_snapshot
+from engine.core.kv_view import KVView, take_snapshot
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
 from engine.outputs import ModelRunnerOutput
-from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 from server.kv_api import StreamEncoder, snapshot_payload
 
 BLOCK_SIZE = 16

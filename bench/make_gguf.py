@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     p.add_argument("--port", type=int, default=18990)
     args = p.parse_args(argv)
 
-    from engine.model_loader import resolve_model
+    from engine.model_loader.loader import resolve_model
 
     folder = Path(args.model) if args.model else resolve_model(None)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -148,7 +148,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         models = [(n, _build(fam, n, Path(tmp) / n)) for n in names]
         if not args.no_default:
-            from engine.model_loader import resolve_model
+            from engine.model_loader.loader import resolve_model
 
             models.append(("default (SmolLM2-135M)", resolve_model(None)))
         for name, path in models:

@@ -13,7 +13,7 @@ import argparse
 import random
 import time
 
-import engine.model_runner as model_runner
+import engine.runner.model_runner as model_runner
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 

@@ -21,7 +21,7 @@ each type with float32 scales and mins (the packed layout before fp16 scales) as
 
     python bench/quantization.py --gguf
 
-GGUF types served packed instead (engine/layers/gguf_quant.py): per type, the linears of
+GGUF types served packed instead (engine/layers/quantization/gguf.py): per type, the linears of
 Gemma-3-270M and SmolLM2-135M shapes (random valid blocks) at 1 and 64 rows against the packed
 bf16 linear, with the weight MiB of each; then c=1 decode ms/token and prefill tokens/s of the
 real Gemma 3 270M (Q4_K_M) served packed against the same file dequantized to bf16.
@@ -38,9 +38,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.layers.gguf_quant import GGUF_PACKED_ENV, GGUF_TYPES, GGUFWeights, pack_parts
 from engine.layers.linear import Linear
-from engine.layers.quantization import Int8Weights, linear_weight_bytes
+from engine.layers.quantization.apply import linear_weight_bytes
+from engine.layers.quantization.gguf import GGUF_PACKED_ENV, GGUF_TYPES, GGUFWeights, pack_parts
+from engine.layers.quantization.int8 import Int8Weights
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from pagedserve_kernels.cpu_linear import PackedLinear
@@ -213,7 +214,7 @@ def gguf_linears(ops, types: list[str]) -> None:
 
 def gguf_gemma(rounds: int) -> None:
     """c=1 decode and prefill of the real Gemma 3 270M, packed against dequantized bf16."""
-    from engine.layers.quantization import describe_quantized
+    from engine.layers.quantization.apply import describe_quantized
 
     arms = {}
     os.environ.pop(GGUF_PACKED_ENV, None)
@@ -289,8 +290,8 @@ def quantized_default(qtype: str, head_qtype: str = HEAD_QTYPE) -> Path:
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    from engine.layers.gguf_quant import BLOCKS_FILE
-    from engine.model_loader import default_cache_dir, resolve_model
+    from engine.gguf.convert import BLOCKS_FILE
+    from engine.model_loader.loader import default_cache_dir, resolve_model
 
     src = resolve_model(None)
     out = default_cache_dir() / "bench-quantized" / f"{src.name}-{qtype}-{head_qtype}"
@@ -331,7 +332,7 @@ def f32_scales():
     (the layout before fp16 scales; the kernels read both), for an A/B in one process."""
     from unittest import mock
 
-    from engine.layers.gguf_quant import QuantType
+    from engine.layers.quantization.gguf import QuantType
 
     return mock.patch.object(QuantType, "scale_dtype", property(lambda self: torch.float32))
 

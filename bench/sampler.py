@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from engine.request import Request
-from engine.sampler import Sampler
+from engine.core.request import Request
+from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
 
 MIXES = {

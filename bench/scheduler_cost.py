@@ -20,11 +20,11 @@ import statistics
 import time
 
 from engine.config import EngineConfig
-from engine.kv_cache_manager import cdiv
+from engine.core.kv_cache_manager import cdiv
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
 from engine.outputs import ModelRunnerOutput
-from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 
 PROMPT_LEN = 64
 BLOCK_SIZE = 16

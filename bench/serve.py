@@ -181,7 +181,7 @@ def copied_share(output: str, source: str, n: int = 4) -> float:
 
 
 def _default_model_dir() -> str:
-    from engine.model_loader import resolve_model
+    from engine.model_loader.loader import resolve_model
 
     return str(resolve_model(None))
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import engine.model_runner as model_runner
+import engine.runner.model_runner as model_runner
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.spec_decode import SpecDecodeStats
+from engine.spec_decode.ngram import SpecDecodeStats
 
 SNIPPETS = [
     '''def moving_average(values, window):

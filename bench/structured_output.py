@@ -18,10 +18,9 @@ import statistics
 import time
 
 from engine.config import EngineConfig
-from engine.grammar_mask import GrammarBitmask
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarSpec
+from engine.sample.grammar_mask import GrammarBitmask
+from engine.sampling_params import GrammarSpec, SamplingParams
 
 # Long strings keep rows inside "string" states, where most of the vocabulary is allowed and
 # the mask is the most expensive to compute.

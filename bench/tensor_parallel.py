@@ -108,12 +108,12 @@ def wire_cost(num_requests: int, context: int, repeat: int = 200) -> float:
     """Milliseconds per decode step of the executor's own work, without processes."""
     import pickle
 
-    from engine.executor import WireEncoder
+    from engine.core.request import Request
+    from engine.core.scheduler import SchedulerOutput
+    from engine.executor.executor import WireEncoder
+    from engine.executor.worker import Worker
     from engine.outputs import ModelRunnerOutput
-    from engine.request import Request
     from engine.sampling_params import SamplingParams
-    from engine.scheduler import SchedulerOutput
-    from engine.worker import Worker
 
     params = SamplingParams(temperature=0.0, max_tokens=10_000)
     reqs = [Request(str(i), list(range(3, 3 + context)), params) for i in range(num_requests)]

@@ -8,7 +8,7 @@ its own process later:
     check_queue(num_new)                              the --max-num-queued-reqs bound (503)
     generate(request) -> async RequestOutput deltas   leaving early aborts the request
     abort(id), check_health() / is_alive              what /health and the lifecycle read
-    kv_view                                           the KV map's snapshots (engine/kv_view.py)
+    kv_view                                           the KV map's snapshots (engine/core/)
 
 Torch releases the GIL, so a long step never blocks the event loop.
 
@@ -29,13 +29,12 @@ from collections.abc import AsyncIterator, Callable
 from functools import cached_property
 from pathlib import Path
 
-from engine.executor import EngineDeadError
-from engine.kv_view import KVView
+from engine.core.kv_view import KVView
+from engine.core.request import Request
+from engine.executor.executor import EngineDeadError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, StepStats
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarSpec
+from engine.sampling_params import GrammarSpec, SamplingParams
 
 logger = logging.getLogger(__name__)
 

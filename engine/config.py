@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from engine.spec_decode import SpeculativeConfig
+from engine.spec_decode.ngram import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _EXECUTORS = ("uni", "mp")
-QUANTIZATION_METHODS = ("int8", "gguf")  # --quantization (engine/layers/quantization.py)
+QUANTIZATION_METHODS = ("int8", "gguf")  # --quantization (engine/layers/quantization/int8.py)
 # Per-step token budget when none is given. CPU steps hold at most 512 tokens so prompts finish
 # one after another and wait less for their first token (throughput within noise); GPUs keep
 # vLLM's 2048. Measured in bench/README.md, "Per-step token budget on CPU".
@@ -33,7 +33,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
-    # uni: the model in the engine's thread; mp: in worker processes (engine/executor.py).
+    # uni: the model in the engine's thread; mp: in worker processes (engine/executor/executor.py).
     # None: uni at one rank, mp above (the only choice there).
     distributed_executor_backend: str | None = None
     nnodes: int = 1  # hosts one replica spans; each runs tensor_parallel_size / nnodes ranks
@@ -45,7 +45,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs for decode batches
     grammar_compile_timeout: float = 10.0  # seconds; a slower grammar is refused (400)
-    # n-gram speculative decoding (engine/spec_decode.py); JSON text or a dict is parsed here
+    # n-gram speculative decoding (engine/spec_decode/ngram.py); JSON text or a dict is parsed here
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -129,7 +129,7 @@ class EngineConfig:
 
 
 def default_max_num_batched_tokens(device: str = "auto") -> int:
-    from pagedserve_kernels import _device_type  # "auto" -> cuda or cpu, "cuda:1" -> cuda
+    from pagedserve_kernels import device_type  # "auto" -> cuda or cpu, "cuda:1" -> cuda
 
-    on_cpu = _device_type(device) == "cpu"
+    on_cpu = device_type(device) == "cpu"
     return CPU_MAX_NUM_BATCHED_TOKENS if on_cpu else GPU_MAX_NUM_BATCHED_TOKENS

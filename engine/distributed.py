@@ -1,7 +1,7 @@
 """Tensor-parallel process state and the collectives the sharded layers call (torch.distributed).
 
-Each rank is one worker process (engine/worker.py); init_distributed() runs once in it, before
-the model is built, so the parallel layers size their shards at construction (vLLM's
+Each rank is one worker process (engine/executor/worker.py); init_distributed() runs once in it,
+before the model is built, so the parallel layers size their shards at construction (vLLM's
 parallel_state idea: a model file never sees the rank). With one rank every collective is the
 identity and nothing is initialised, so the layers have a single code path.
 

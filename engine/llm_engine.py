@@ -11,10 +11,13 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import EngineConfig
+from engine.core.request import Request, RequestRejectedError, RequestStatus
+from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.distributed import check_tensor_parallel
-from engine.executor import create_executor
-from engine.model_loader import resolve_model
-from engine.output_processor import RequestState
+from engine.executor.executor import create_executor
+from engine.model_loader.loader import resolve_model
+from engine.model_loader.weight_loader import check_tokenizer
+from engine.output.processor import RequestState
 from engine.outputs import (
     CompletionOutput,
     RequestMetrics,
@@ -22,12 +25,9 @@ from engine.outputs import (
     StepStats,
     TokenLogprobs,
 )
-from engine.request import Request, RequestRejectedError, RequestStatus
+from engine.sample.structured_output import GrammarCompiler
 from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec_decode import SpecDecodeStats
-from engine.structured_output import GrammarCompiler
-from engine.weight_loader import check_tokenizer
+from engine.spec_decode.ngram import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,13 @@
-"""Per-request sampling parameters (OpenAI names plus vLLM's extras; temperature 0 is greedy)."""
+"""Per-request sampling parameters (OpenAI names plus vLLM's extras; temperature 0 is greedy), and
+the grammar a request's output follows (GrammarSpec; engine/sample/structured_output.py compiles
+it)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
-
-from engine.structured_output import GrammarSpec
+from typing import Literal
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20
@@ -118,3 +120,43 @@ def _check(ok: bool, param: str, message: str) -> None:
 def _check_range(name: str, value: float, lo: float, hi: float) -> None:
     ok = not math.isnan(value) and lo <= value <= hi
     _check(ok, name, f"{name} must be in [{lo:g}, {hi:g}], got {value}")
+
+
+GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What constrains a request's output: the cache key of its compiled grammar.
+
+    json: a JSON schema (serialised with sorted keys, so equal schemas share a cache entry);
+    json_object: any JSON object; regex; choice: a JSON list of strings; grammar: Lark or GBNF.
+    """
+
+    kind: GrammarKind
+    text: str = ""
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool | str) -> GrammarSpec:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"the JSON schema is not valid JSON: {e}") from e
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError("a JSON schema must be an object or a boolean")
+        return cls("json", json.dumps(schema, sort_keys=True, ensure_ascii=False))
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> GrammarSpec:
+        if not choices or not all(isinstance(c, str) for c in choices):
+            raise GrammarError("choice must be a non-empty list of strings")
+        return cls("choice", json.dumps(list(choices), ensure_ascii=False))
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be used (invalid, unsupported or too slow to compile): HTTP 400."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -17,6 +17,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "default_block_size",
+    "device_type",
     "get_attention_backend",
     "resolve_backend_name",
 ]
@@ -26,7 +27,7 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 def resolve_backend_name(name: str = "auto", device: str = "cpu") -> str:
-    device = _device_type(device)
+    device = device_type(device)
     if name != "auto":
         if name not in BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS}")
@@ -51,7 +52,7 @@ def get_attention_backend(
     name: str = "auto", device: str = "cpu", block_size: int | None = None, dtype=None
 ) -> AttentionBackend:
     """Build the backend; ValueError (said plainly) when it cannot run here or with block_size."""
-    device = _device_type(device)
+    device = device_type(device)
     resolved = resolve_backend_name(name, device)
     if resolved == "flash_attn" and device == "cuda" and not _half(dtype):
         if name != "auto":
@@ -133,7 +134,7 @@ def _half(dtype) -> bool:
     return dtype is None or dtype in (torch.float16, torch.bfloat16)
 
 
-def _device_type(device) -> str:
+def device_type(device) -> str:
     device = str(getattr(device, "type", device))
     if device == "auto":
         import torch

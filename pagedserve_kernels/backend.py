@@ -46,7 +46,7 @@ class AttentionBackend:
 
     name: str = "base"
     # Capture-safe under CUDA graphs: no host syncs, grids fixed by the batch size, KV writes
-    # that skip slot -1 (engine/cuda_graphs.py).
+    # that skip slot -1 (engine/runner/cuda_graphs.py).
     supports_cuda_graphs: bool = False
     # cascade_plan() may return a plan: decodes over a shared prefix read it once for all.
     supports_cascade: bool = False
@@ -102,7 +102,7 @@ class AttentionBackend:
 @dataclass
 class QuantPart:
     """Consecutive output rows of a linear in one GGUF type, in
-    pagedserve_kernels/csrc/gguf_quant.cpp's re-packed layout (engine/layers/gguf_quant.py
+    pagedserve_kernels/csrc/gguf_quant.cpp's re-packed layout (engine/layers/quantization/gguf.py
     PackedQuant's buffers)."""
 
     qs: torch.Tensor  # uint8 [G, B, 4 or 8, 64]

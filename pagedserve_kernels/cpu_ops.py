@@ -126,11 +126,15 @@ def build_key(csrc: Path = CSRC) -> str:
     return key.hexdigest()[:16]
 
 
-def _build_dir() -> Path:
-    from engine.model_loader import default_cache_dir
+def _cache_root() -> Path:
+    """$PAGEDSERVE_CACHE or ~/.cache/pagedserve: the engine keeps converted models there too."""
+    env = os.environ.get("PAGEDSERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedserve"
 
+
+def _build_dir() -> Path:
     name = build_key()
-    for root in (default_cache_dir() / "kernels", Path(tempfile.gettempdir()) / "pagedserve"):
+    for root in (_cache_root() / "kernels", Path(tempfile.gettempdir()) / "pagedserve"):
         try:
             (root / name).mkdir(parents=True, exist_ok=True)
             probe = root / name / ".writable"

@@ -8,10 +8,12 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.kv_view import KVView
+from engine.core.kv_view import KVView
 from server.metrics import Metrics
-from server.playground import install_offline_docs, install_playground
-from server.protocol import (
+from server.openai.chat import create_chat_completion
+from server.openai.completions import create_completion
+from server.openai.errors import APIError, error_response, install_error_handlers
+from server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -19,15 +21,13 @@ from server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from server.openai.responses import create_response
+from server.openai.responses_protocol import ResponsesRequest
+from server.openai.serving import ServingContext
+from server.openai.tokenization import detokenize, tokenize
+from server.openai.tokenizer_info import tokenizer_info
+from server.playground import install_offline_docs, install_playground
 from server.request_id import RequestIdMiddleware
-from server.responses_protocol import ResponsesRequest
-from server.serving_chat import create_chat_completion
-from server.serving_completions import create_completion
-from server.serving_engine import ServingContext
-from server.serving_errors import APIError, error_response, install_error_handlers
-from server.serving_responses import create_response
-from server.serving_tokenization import detokenize, tokenize
-from server.tokenizer_info import tokenizer_info
 
 __all__ = ["APIError", "VERSION", "build_app", "error_response"]
 

@@ -11,7 +11,7 @@ import sys
 import yaml
 
 from engine.config import QUANTIZATION_METHODS, EngineConfig
-from server.tool_parsers import TOOL_PARSERS
+from server.tools.registry import TOOL_PARSERS
 
 logger = logging.getLogger("pagedserve")
 
@@ -123,7 +123,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
-    """Executor and multi-host flags (engine/executor.py), named as vLLM's."""
+    """Executor and multi-host flags (engine/executor/executor.py), named as vLLM's."""
     p.add_argument(
         "--distributed-executor-backend",
         choices=["uni", "mp"],
@@ -298,9 +298,9 @@ def run_headless(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     from engine.distributed import check_tensor_parallel
-    from engine.executor import WorkerGroup
+    from engine.executor.executor import WorkerGroup
     from engine.llm_engine import resolve_config
-    from engine.model_loader import resolve_model
+    from engine.model_loader.loader import resolve_model
 
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))

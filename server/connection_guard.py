@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.serving_errors import RETRY_AFTER_S, error_bytes
+from server.openai.errors import RETRY_AFTER_S, error_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The KV view as HTTP: GET /kv/snapshot (JSON) and GET /kv/stream (SSE of changes).
 
-Snapshots come from the engine thread as copies (engine/kv_view.py); everything here runs on
+Snapshots come from the engine thread as copies (engine/core/kv_view.py); everything here runs on
 the event loop or in a worker thread, never on the engine thread. Block state in the stream
 is one byte per physical block, base64-encoded:
 
@@ -28,8 +28,8 @@ import numpy as np
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from engine.kv_view import KVSnapshot, KVView
-from server.serving_errors import APIError
+from engine.core.kv_view import KVSnapshot, KVView
+from server.openai.errors import APIError
 
 KEEPALIVE_S = 15.0
 MAX_EVENT_BLOCK_IDS = 256  # an event lists at most this many block ids

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from server.auth import is_authorized, is_public
 from server.connection_guard import ConnectionStats, RateLimitedLog
-from server.serving_errors import RETRY_AFTER_S, error_bytes
+from server.openai.errors import RETRY_AFTER_S, error_bytes
 
 logger = logging.getLogger(__name__)
 

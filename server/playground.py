@@ -14,7 +14,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from engine.kv_view import KVView
+from engine.core.kv_view import KVView
 from server.kv_api import build_kv_router
 
 STATIC_DIR = Path(__file__).parent / "static"

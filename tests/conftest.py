@@ -301,7 +301,7 @@ def tiny_server(tiny_model_dir):
 
 def make_request(request_id: str, num_tokens: int, max_tokens: int = 8, start: int = 0, **params):
     """A Request with prompt tokens start..start+num_tokens-1 (pure Python, no model)."""
-    from engine.request import Request
+    from engine.core.request import Request
     from engine.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
@@ -317,7 +317,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
 ):
     from engine.config import EngineConfig
-    from engine.scheduler import Scheduler
+    from engine.core.scheduler import Scheduler
 
     cfg = EngineConfig(
         block_size=block_size,
@@ -370,7 +370,7 @@ class ScriptedSampler:
         self.scripts = scripts
 
     def __call__(self, logits, requests):
-        from engine.sampler import SamplerOutput
+        from engine.sample.sampler import SamplerOutput
 
         return SamplerOutput([self.scripts[r.request_id][r.num_output_tokens] for r in requests])
 
@@ -565,7 +565,7 @@ class ScriptedEngine:
         return TokenLogprobs(token_id=token_id, logprob=-0.25, rank=1, top=alternatives[:k])
 
     async def generate(self, request):
-        from engine.detokenizer import IncrementalDetokenizer
+        from engine.output.detokenizer import IncrementalDetokenizer
         from engine.outputs import CompletionOutput, RequestOutput
 
         request_id, prompt_ids = request.request_id, request.prompt_token_ids
@@ -649,7 +649,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def compiler(tokenizer):
     """A grammar compiler over the byte tokenizer, its cache shared within a module."""
-    from engine.structured_output import GrammarCompiler
+    from engine.sample.structured_output import GrammarCompiler
 
     c = GrammarCompiler(tokenizer, vocab_size=len(tokenizer))
     yield c

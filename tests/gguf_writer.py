@@ -1,7 +1,7 @@
 """GGUF files written as llama.cpp's converter writes them, for the tests and bench/make_gguf.py:
 tensor names from gguf-py's own name map, llama q/k rows in its interleaved rotary order, the
 hyperparameters under `{arch}.*`, and the file in gguf-py's write order. Imports no engine code
-(engine/gguf_convert.py is what these files test); bench/make_gguf.py puts tests/ on sys.path.
+(engine/gguf/convert.py is what these files test); bench/make_gguf.py puts tests/ on sys.path.
 
 `write_gguf` writes a test folder (the byte tokenizer of tests/conftest.py, any family, optional
 quantization); the building blocks above it serve bench/make_gguf.py's real-tokenizer files.
@@ -15,7 +15,7 @@ from typing import Any
 
 def permute_rotary(weight, heads: int):
     """llama.cpp's `llama` layout interleaves the two rotary halves of each head's q/k rows;
-    engine/gguf_convert.py's _unpermute_rotary is the inverse."""
+    engine/gguf/convert.py's _unpermute_rotary is the inverse."""
     rows = weight.shape[0]
     return (
         weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])

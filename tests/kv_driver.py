@@ -14,9 +14,9 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.kv_cache_groups import cdiv
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.core.kv_cache_groups import cdiv
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
 BS = 4

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from engine.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def test_free_queue_starts_in_block_order_and_removes_from_middle():

@@ -774,7 +774,7 @@ def kernel_model_dir(tmp_path_factory):
 def _load(model_dir, dtype, ops, monkeypatch):
     from transformers import AutoConfig
 
-    import engine.model_runner as model_runner
+    import engine.runner.model_runner as model_runner
 
     monkeypatch.setattr(model_runner, "load_cpu_ops", lambda: ops)
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -805,7 +805,7 @@ class PagedRun:
     def step(self, new_tokens: list[list[int]], shared_blocks: int = 0, fused=None) -> torch.Tensor:
         """Appends new_tokens[i] to sequence i (none: not scheduled); logits of each last token.
         shared_blocks: leading block-table entries every decoding row has in common.
-        fused: an engine.fused_decode.FusedDecode that takes the steps it can run."""
+        fused: an engine.runner.fused_decode.FusedDecode that takes the steps it can run."""
         bs, ids, positions, slots, starts = self.block_size, [], [], [], [0]
         batch = [i for i, toks in enumerate(new_tokens) if toks]
         for i in batch:
@@ -873,7 +873,7 @@ def test_llm_greedy_tokens_kernels_on_equal_off(kernel_model_dir, ops, monkeypat
     """End to end through engine.llm.LLM in float32: the same greedy tokens either way."""
     from conftest import make_prompts
 
-    import engine.model_runner as model_runner
+    import engine.runner.model_runner as model_runner
     import pagedserve_kernels.cpu_ops as cpu_ops
     from engine import LLM, SamplingParams
 
@@ -1222,7 +1222,7 @@ def test_llm_shared_prefix_decodes_take_the_cascade_and_keep_greedy_tokens(
     cascade kernel, and the greedy tokens match those with the cascade switched off."""
     from conftest import make_prompts
 
-    import engine.model_runner as model_runner
+    import engine.runner.model_runner as model_runner
     import pagedserve_kernels.cpu_backend as cpu_backend
     import pagedserve_kernels.cpu_ops as cpu_ops
     from engine import LLM, SamplingParams
@@ -1263,7 +1263,7 @@ def test_fused_decode_step_is_bit_identical_to_the_layer_by_layer_path(
     """ops.decode_layers (FusedDecode) calls the kernels the layers call, in the same order:
     same logits and same K/V caches to the bit, with the decode kernel and with the cascade over
     a shared prefix (10 sequences whose first 9 blocks are the same 144 tokens)."""
-    from engine.fused_decode import FusedDecode
+    from engine.runner.fused_decode import FusedDecode
 
 
     model = _load(kernel_model_dir, torch.bfloat16, ops, monkeypatch)
@@ -1314,7 +1314,7 @@ def test_llm_decode_steps_run_fused_with_the_tokens_of_the_layer_by_layer_path(
     layer by layer), and greedy tokens are those of the layer-by-layer path exactly."""
     from conftest import make_prompts
 
-    import engine.model_runner as model_runner
+    import engine.runner.model_runner as model_runner
     import pagedserve_kernels.cpu_backend as cpu_backend
     import pagedserve_kernels.cpu_ops as cpu_ops
     from engine import LLM, SamplingParams

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 from conftest import make_prompts  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.cuda_graphs import DecodeCudaGraphs, batch_size_buckets  # noqa: E402
+from engine.runner.cuda_graphs import DecodeCudaGraphs, batch_size_buckets  # noqa: E402
 
 pytest.importorskip("triton")
 

@@ -7,7 +7,7 @@ import pytest
 from conftest import ServerProcess, hf_greedy
 
 from engine import LLM, SamplingParams
-from engine.model_loader import resolve_model
+from engine.model_loader.loader import resolve_model
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import ScriptedSampler, build_byte_tokenizer, make_prompts, run_engine
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.output.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "héllo 你好世界 😀👍🏽 ok",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.dtype import cpu_flags, explain_dtype, native_bf16_flag
-from engine.gguf_convert import _source_dtype
+from engine.gguf.convert import _source_dtype
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 AMX = {"avx512f", "amx_tile", "amx_bf16"}

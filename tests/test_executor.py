@@ -1,4 +1,5 @@
-"""The executor's failure semantics through the real server on loopback (engine/executor.py).
+"""The executor's failure semantics through the real server on loopback
+(engine/executor/executor.py).
 
 A model worker that dies (SIGKILL, SIGSEGV) or stops answering (SIGSTOP) makes the engine dead:
 the stream in flight gets an error event then `data: [DONE]`, a plain request a 5xx error
@@ -20,10 +21,10 @@ import httpx
 import pytest
 from conftest import ServerProcess, build_tiny_model_dir
 
-from engine.executor import WireEncoder
-from engine.request import Request
+from engine.core.request import Request
+from engine.core.scheduler import SchedulerOutput
+from engine.executor.executor import WireEncoder
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
 
 LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
 

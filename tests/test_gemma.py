@@ -156,7 +156,7 @@ def test_prefix_hits_match_transformers(family):
 
 
 def test_preemption_matches_transformers(family):
-    from engine.kv_cache_groups import max_blocks_per_request
+    from engine.core.kv_cache_groups import max_blocks_per_request
 
     _, path, prompts, expected = family
     windows = _llm(path).engine.runner.kv_cache_spec.windows

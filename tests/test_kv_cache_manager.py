@@ -6,8 +6,8 @@ from conftest import make_request
 from hypothesis import settings
 from kv_driver import KVCacheDriver
 
-from engine.kv_cache_manager import KVCacheManager, hash_block_tokens
-from engine.request import RequestStatus
+from engine.core.kv_cache_manager import KVCacheManager, hash_block_tokens
+from engine.core.request import RequestStatus
 
 
 def test_allocate_on_demand_and_free():

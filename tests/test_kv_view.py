@@ -1,4 +1,4 @@
-"""engine/kv_view.py and server/kv_api.py: snapshots agree with the block pool, rates hold."""
+"""engine/core/kv_view.py and server/kv_api.py: snapshots agree with the block pool, rates hold."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import numpy as np
 from conftest import make_request, make_scheduler, run_fake_step
 
-from engine.kv_view import BlockTableCopies, KVView, take_snapshot
+from engine.core.kv_view import BlockTableCopies, KVView, take_snapshot
 from server.kv_api import StreamEncoder, block_codes, ref_counts, snapshot_payload
 
 
@@ -214,7 +214,7 @@ def test_prefix_totals_accumulate_across_steps():
 # ---- KV cache groups: one table per group, blocks behind the window --------------------------
 def _group_scheduler(windows: tuple[int, ...], num_blocks: int = 40, chunk: int = 64):
     from engine.config import EngineConfig
-    from engine.scheduler import Scheduler
+    from engine.core.scheduler import Scheduler
 
     cfg = EngineConfig(
         block_size=4, max_num_seqs=4, max_num_batched_tokens=chunk, max_model_len=256

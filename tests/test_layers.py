@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.fused_decode import FusedDecode
 from engine.layers import (
     CPU,
     NATIVE,
@@ -27,6 +26,7 @@ from engine.layers import (
     select_impls,
 )
 from engine.layers.rotary import NativeRope
+from engine.runner.fused_decode import FusedDecode
 from pagedserve_kernels.backend import AttentionBackend, AttentionMetadata
 from pagedserve_kernels.cpu_backend import CpuAttentionBackend
 from pagedserve_kernels.cpu_linear import PackedLinear
@@ -180,7 +180,7 @@ def layer_model_dir(tmp_path_factory):
 def _load(model_dir, ops, dtype, monkeypatch):
     from transformers import AutoConfig
 
-    import engine.model_runner as model_runner
+    import engine.runner.model_runner as model_runner
 
     monkeypatch.setattr(model_runner, "load_cpu_ops", lambda: ops)
     backend = TorchAttentionBackend() if ops is None else CpuAttentionBackend(ops)

@@ -329,8 +329,8 @@ def test_every_declared_eos_id_stops(tmp_path, prompts):
     assert default_out.token_ids == free[: len(default_out.token_ids)]  # temperature 0: greedy
     # ... and the server's requests too: the facade hands them to the serving context
     from engine.async_engine import AsyncEngine
-    from server.protocol import ChatCompletionRequest, CompletionRequest
-    from server.serving_engine import ServingContext, to_sampling_params
+    from server.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from server.openai.serving import ServingContext, to_sampling_params
 
     ctx = ServingContext.build(AsyncEngine(llm.engine))
     unset = to_sampling_params(CompletionRequest(prompt="x"), defaults=ctx.generation_defaults)

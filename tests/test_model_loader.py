@@ -1,4 +1,4 @@
-"""engine.model_loader: folder passthrough, input errors, GGUF conversion and its cache."""
+"""engine.model_loader.loader: folder passthrough, input errors, GGUF conversion and its cache."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from conftest import CHAT_TEMPLATE, build_byte_tokenizer, build_tiny_model_dir
 from gguf_writer import write_file, write_gguf
 
-from engine.model_loader import MARKER, default_cache_dir, resolve_model
+from engine.model_loader.loader import MARKER, default_cache_dir, resolve_model
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from conftest import make_request
 
-from engine.model_runner import BlockTables
-from engine.scheduler import SchedulerOutput
+from engine.core.scheduler import SchedulerOutput
+from engine.runner.model_runner import BlockTables
 
 
 def _out(reqs, new_block_ids, resets=None) -> SchedulerOutput:
@@ -52,7 +52,7 @@ def test_released_rows_are_reused_and_table_grows_when_full():
 def _shared(rows, query_lens, seq_lens, block_size=16) -> int:
     import numpy as np
 
-    from engine.model_runner import shared_prefix_blocks
+    from engine.runner.model_runner import shared_prefix_blocks
 
     table = np.array(rows, dtype=np.int32)
     return shared_prefix_blocks(table, np.array(query_lens), np.array(seq_lens), block_size)

@@ -290,7 +290,7 @@ def test_a_tiny_pool_shows_a_preemption(context, server):
 
 def test_a_pool_of_500k_blocks_draws_aggregated(context, server):
     """More blocks than pixels: each pixel mixes a group's colours (the stream is synthetic)."""
-    from engine.kv_view import KVSnapshot, RequestBlocks
+    from engine.core.kv_view import KVSnapshot, RequestBlocks
     from server.kv_api import StreamEncoder
 
     n = 500_000  # held 0-300k (0-1k shared), cached 300k-400k, free 400k-500k

@@ -54,7 +54,7 @@ def test_cold_warm_and_evicted_runs_give_the_same_tokens(tiny_model_dir, base):
 
 
 def _prompt_hashes(kv, prompt: list[int]) -> list[bytes]:
-    from engine.kv_cache_manager import hash_block_tokens
+    from engine.core.kv_cache_manager import hash_block_tokens
 
     hashes, parent = [], None
     for start in range(0, len(prompt) - BS + 1, BS):

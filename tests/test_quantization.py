@@ -1,4 +1,5 @@
-"""--quantization int8 (engine/layers/quantization.py, pagedserve_kernels/csrc/quant_linear.cpp).
+"""--quantization int8 (engine/layers/quantization/int8.py,
+pagedserve_kernels/csrc/quant_linear.cpp).
 
 The kernels are checked against dequantize-then-matmul in float64 on the same quantized values;
 the served default model against the bf16 path (agreement bounds measured, see test docstrings).
@@ -16,12 +17,10 @@ from conftest import cpu_has_vnni, kernel_path_fixture
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.layers.linear import Linear
-from engine.layers.quantization import (
+from engine.layers.quantization.apply import describe_quantized, linear_weight_bytes, mark_quantized
+from engine.layers.quantization.int8 import (
     INT8_CPU,
     Int8Weights,
-    describe_quantized,
-    linear_weight_bytes,
-    mark_quantized,
     quantize_per_token,
     quantize_weight,
 )

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import make_prompts
 
-from engine.request import Request
-from engine.sampler import Sampler, apply_penalties
+from engine.core.request import Request
+from engine.sample.sampler import Sampler, apply_penalties
 from engine.sampling_params import SamplingParams
 
 VOCAB = 300
@@ -219,7 +219,7 @@ def test_engine_penalties_and_bias_change_greedy_output(llm):
 
 
 def test_inverse_cdf_draws_follow_the_distribution_and_skip_zeros():
-    from engine.sampler import sample_inverse_cdf
+    from engine.sample.sampler import sample_inverse_cdf
 
     probs = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0]]).repeat(20000, 1)
     gen = torch.Generator().manual_seed(0)
@@ -234,7 +234,7 @@ def test_inverse_cdf_draws_follow_the_distribution_and_skip_zeros():
 
 @pytest.mark.parametrize("k", [None, 5, 300, 2000])
 def test_top_p_candidates_path_equals_full_sort(k):
-    from engine.sampler import _top_k_top_p_sorted, apply_top_k_top_p
+    from engine.sample.sampler import _top_k_top_p_sorted, apply_top_k_top_p
 
     gen = torch.Generator().manual_seed(3)
     vocab = 4096

@@ -13,9 +13,9 @@ from conftest import (
     run_until_done,
 )
 
+from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import RequestQueue
 from engine.outputs import ModelRunnerOutput
-from engine.request import Request, RequestStatus
-from engine.request_queue import RequestQueue
 from engine.sampling_params import SamplingParams
 
 EOS = 2
@@ -92,7 +92,7 @@ def test_preempts_the_last_admitted_first_and_counts_and_logs(caplog):
     for r in reqs:
         s.add_request(r)
     preempted = []
-    with caplog.at_level(logging.INFO, logger="engine.scheduler"):
+    with caplog.at_level(logging.INFO, logger="engine.core.scheduler"):
         for out in run_until_done(s):
             preempted += [r.request_id for r in out.preempted]
             if out.preempted:

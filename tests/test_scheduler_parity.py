@@ -6,7 +6,7 @@ import pytest
 from conftest import hf_greedy, make_prompts
 
 from engine import LLM, SamplingParams
-from engine.kv_cache_manager import cdiv
+from engine.core.kv_cache_manager import cdiv
 
 MAX_NEW = 16
 BLOCK_SIZE = 4

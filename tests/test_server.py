@@ -115,9 +115,9 @@ def test_each_request_is_validated_once(tiny_model_dir, monkeypatch):
 
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
+    from engine.core.scheduler import Scheduler
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
-    from engine.scheduler import Scheduler
     from server.app import build_app
     from server.metrics import Metrics
 

@@ -15,7 +15,7 @@ from server.app import build_app
 from server.lifecycle import SwitchApp
 from server.metrics import Metrics
 from server.middleware import GuardMiddleware, GuardSettings, ServerState
-from server.serving_errors import RETRY_AFTER_S
+from server.openai.errors import RETRY_AFTER_S
 
 KEY = "k3y"
 AUTH = {"Authorization": f"Bearer {KEY}"}

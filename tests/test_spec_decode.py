@@ -1,5 +1,6 @@
-"""N-gram speculative decoding (engine/spec_decode.py): exact greedy output, sampled output from
-the target distribution, KV rollback, stop rules, logprobs and metrics (float32, tiny models)."""
+"""N-gram speculative decoding (engine/spec_decode/ngram.py): exact greedy output, sampled
+output from the target distribution, KV rollback, stop rules, logprobs and
+metrics (float32, tiny models)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from conftest import (
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.request import Request
-from engine.sampler import Sampler, sampling_probs
-from engine.spec_decode import NgramProposer, SpeculativeConfig
+from engine.core.request import Request
+from engine.sample.sampler import Sampler, sampling_probs
+from engine.spec_decode.ngram import NgramProposer, SpeculativeConfig
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1}  # fmt: skip
@@ -93,7 +94,7 @@ def test_proposer_prefers_the_latest_match_with_k_tokens_after_it():
 
 # ---- scheduler -----------------------------------------------------------------------------
 def _spec_scheduler(num_blocks=32, group_windows=(0,)):
-    from engine.scheduler import Scheduler
+    from engine.core.scheduler import Scheduler
 
     cfg = EngineConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=64, max_model_len=256,
                        speculative_config=SPEC)  # fmt: skip

@@ -8,10 +8,10 @@ from conftest import ScriptedSampler, make_prompts, run_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.output_processor import RequestState
-from engine.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus
+from engine.output.processor import RequestState
+from engine.output.stop_checker import StopChecker
 from engine.sampling_params import SamplingParams
-from engine.stop_checker import StopChecker
 
 
 def _reference(text: str, stops: list[str], include: bool) -> tuple[str, str | None]:

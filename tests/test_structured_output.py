@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from engine.structured_output import GrammarCompiler, GrammarError, GrammarSpec
+from engine.sample.structured_output import GrammarCompiler
+from engine.sampling_params import GrammarError, GrammarSpec
 from tests.conftest import build_byte_tokenizer
 
 

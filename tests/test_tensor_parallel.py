@@ -92,7 +92,7 @@ def test_each_rank_reads_only_its_slice(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     import engine.distributed as distributed
-    import engine.weight_loader as weight_loader
+    import engine.model_loader.weight_loader as weight_loader
     from engine.models import get_model_class
     from pagedserve_kernels import get_attention_backend
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.sampling_params import SamplingParamsError
-from server.tool_calling import plan_tools, template_messages
-from server.tool_parsers import HermesToolParser
+from server.tools.hermes import HermesToolParser
+from server.tools.plan import plan_tools, template_messages
 
 WEATHER = {
     "type": "function",

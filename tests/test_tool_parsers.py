@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.tool_parsers import TOOL_PARSERS, HermesToolParser, get_tool_parser
+from server.tools.hermes import HermesToolParser
+from server.tools.registry import TOOL_PARSERS, get_tool_parser
 
 CALL = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'

@@ -4,7 +4,7 @@ through the attention backend (pagedserve_kernels/), which chose its own kernels
 A layer may have a sliding window (window W: the query at position i sees keys i - W < j <= i,
 Hugging Face's sliding_window) and attention-logit soft-capping (scores = c * tanh(scores / c)).
 Models whose layers attend differently keep one block table per KV cache group
-(engine/kv_cache_groups.py); the runner then passes a GroupedAttentionMetadata and tells each
+(engine/core/kv_cache_groups.py); the runner then passes a GroupedAttentionMetadata and tells each
 layer its group (kv_group).
 """
 

@@ -10,7 +10,8 @@ from torch import nn
 
 from engine.distributed import all_reduce, get_tp
 from engine.layers.base import CPU, NATIVE, KernelLayer
-from engine.layers.quantization import select_quantized
+from engine.layers.quantization.gguf import select_gguf
+from engine.layers.quantization.int8 import select_int8
 from pagedserve_kernels.cpu_linear import PackedLinear, can_pack
 
 PACKED = "packed"  # oneDNN-packed weights without the C++ kernels (they did not load)
@@ -21,7 +22,7 @@ class Linear(KernelLayer):
 
     On CPU in bf16 the weight is packed once at select() and the unpacked copy is dropped, so
     only forward runs afterwards (forward_native needs the weight). A Linear marked for a
-    quantization (engine/layers/quantization.py, mark_quantized) binds to its quantized weights.
+    quantization (engine/layers/quantization/apply.py) binds to its quantized weights.
     """
 
     quantization: str | None = None  # "int8" once marked: select() quantizes instead of packing
@@ -43,8 +44,10 @@ class Linear(KernelLayer):
         return CPU if ops is not None else PACKED
 
     def select(self, ops) -> None:
+        if self.quantization == "gguf":
+            return select_gguf(self, ops)
         if self.quantization is not None:
-            return select_quantized(self, ops)
+            return select_int8(self, ops)
         self.impl = self.choose(ops)
         self.ops = ops if self.impl == CPU else None
         if self.impl != NATIVE:
@@ -65,7 +68,7 @@ class Linear(KernelLayer):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.impl}"
 
 
-# ---- tensor-parallel linears (engine/distributed.py holds the rank) ------------------------------
+# ---- tensor-parallel linears (engine/distributed.py holds the rank) ---
 def _rank_rows(sl, start: int, size: int, dim: int = 0) -> torch.Tensor:
     """Rows [start, start + size) along `dim` of a safetensors slice (only they are read)."""
     index = [slice(None)] * len(sl.get_shape())

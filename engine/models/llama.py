@@ -6,8 +6,8 @@ so that float32 greedy decoding matches transformers token for token. The layers
 pick their fast paths at load; this file only composes them.
 
 Module names follow Hugging Face's (model.embed_tokens, model.layers[i].self_attn / .mlp /
-.input_layernorm / .post_attention_layernorm, model.norm, lm_head); engine/fused_decode.py reads
-that layout.
+.input_layernorm / .post_attention_layernorm, model.norm, lm_head); engine/runner/fused_decode.py
+reads that layout.
 """
 
 from __future__ import annotations

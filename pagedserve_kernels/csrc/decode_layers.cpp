@@ -15,7 +15,7 @@
 // prepares them), else the decode kernel.
 // decode_layers_mixed: the same step where each linear is either AMX-packed bf16 or GGUF-packed
 // parts (gguf_quant.cpp's layout, consecutive output rows of one type each, multiplied by
-// gguf_linear_parts: the bits of gguf_linear part by part, as engine/layers/gguf_quant.py's
+// gguf_linear_parts: the bits of gguf_linear part by part, as engine/layers/quantization/gguf.py's
 // GGUFWeights calls it, with x quantized once). The layout per
 // layer is the one above with each linear a run of tensors that `spec` (int64, read in order,
 // one entry list per linear) describes: [0] one AMX-packed tensor follows; [P, then per part
@@ -66,7 +66,7 @@ void run_linear(const at::Tensor& out, const at::Tensor& x, const LinearW& w,
     return;
   }
   if (x.size(0) >= kGgufGemmMinRows && gguf_gemm_available()) {
-    // as engine/layers/gguf_quant.py dispatches a call of this many rows: part by part on AMX
+    // as engine/layers/quantization/gguf.py dispatches a call of this many rows: part by part on AMX
     int64_t start = 0;
     for (const GgufPart& p : w.parts) {
       std::optional<at::Tensor> b;

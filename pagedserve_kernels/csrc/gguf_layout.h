@@ -1,5 +1,5 @@
 // The byte map of the packed GGUF layout (described at the top of gguf_quant.cpp, built by
-// engine/layers/gguf_quant.py PackedQuant): the quants of one block as 8 vectors, for the
+// engine/layers/quantization/gguf.py PackedQuant): the quants of one block as 8 vectors, for the
 // kernels that read it (gguf_quant.cpp's VNNI rows, gguf_gemm.cpp's tile dequantization), and
 // its scales in either width.
 #pragma once

@@ -1,7 +1,7 @@
 // GGUF-quantized linears served packed: gguf_linear, gguf_dequantize, gguf_kernel,
 // set_gguf_portable. out[M, N] = x[M, K] @ W[N, K]^T where W stays in its quantized form.
 //
-// engine/layers/gguf_quant.py re-packs every GGUF type at load into one layout of unsigned
+// engine/layers/quantization/gguf.py re-packs every GGUF type at load into one layout of unsigned
 // quants u (bits = 4, 5, 6 or 8 per weight) with scales, so one kernel serves them all:
 //   W[n, k] = s[n, k / sub] * (u[n, k] - zero)           (Q8_0 128, Q4_0 8, Q5_0 16, Q6_K 32)
 //   W[n, k] = s[n, k / sub] * u[n, k] + m[n, k / 32]     (the types with a min: Q4_1, Q5_1, Q4_K)

@@ -108,7 +108,7 @@ void gguf_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qs,
                const std::optional<at::Tensor>& bias);
 bool gguf_gemm_available();
 // Calls of at least this many rows go to gguf_gemm where it is available: the fused decode step's
-// rule, the same as engine/layers/gguf_quant.py GEMM_MIN_ROWS (tests/test_gguf_decode.py holds
+// rule, the same as engine/layers/quantization/gguf.py GEMM_MIN_ROWS (tests/test_gguf_decode.py holds
 // the two paths to the same bits at this many rows).
 constexpr int64_t kGgufGemmMinRows = 16;
 

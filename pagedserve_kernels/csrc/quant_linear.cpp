@@ -1,6 +1,6 @@
 // int8 linears (W8A8): int8_linear, int8_kernel, set_int8_portable.
 // out[M, N] = x[M, K] @ W[N, K]^T with W int8 and one float32 scale per output channel (set at
-// load, engine/layers/quantization.py), x quantized here per row (token): scale = max|x| / 127,
+// load, engine/layers/quantization/int8.py), x quantized here per row (token): scale = max|x| / 127,
 // q = round-half-even(x / scale) in [-127, 127]. The int32 dot of the quantized values is exact;
 // out = float(dot) * (x_scale * w_scale) (+ bias), rounded once to x's dtype.
 // W arrives packed [ceil(N/16), ceil(K/4), 16, 4] (zero padded): one 64-byte vector holds four

@@ -1,0 +1,2 @@
+"""The OpenAI-compatible endpoints: protocol models, and one serving module per endpoint
+(completions, chat, responses, tokenization) over a shared base."""

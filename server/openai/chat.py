@@ -1,0 +1,283 @@
+"""POST /v1/chat/completions: messages -> chat template -> n engine requests -> body or SSE.
+
+With tools, each choice's text goes through a ToolCallReader (server/tools/plan.py): content
+and tool calls, whole or streamed as OpenAI streams them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import GrammarSpec, SamplingParamsError
+from server.openai.errors import APIError, engine_error, error_body
+from server.openai.logprobs import chat_logprobs
+from server.openai.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+from server.openai.serving import (
+    ChoiceRequest,
+    ChoiceState,
+    ServingContext,
+    compile_grammar,
+    make_requests,
+    make_usage,
+    merge_outputs,
+    plan_choices,
+    sse,
+    to_sampling_params,
+)
+from server.request_id import current_request_id
+from server.tools.base import StreamDelta
+from server.tools.plan import ToolCallReader, ToolPlan, plan_tools, template_messages
+
+_TEXT_PART_TYPES = ("text", "input_text")
+
+
+def _message_dict(m: ChatMessage) -> dict:
+    """Text parts are joined with newlines (like vLLM); other modalities are refused."""
+    content = m.content
+    if isinstance(content, list):
+        bad = next((p.type for p in content if p.type not in _TEXT_PART_TYPES), None)
+        if bad is not None:
+            accepted = ", ".join(_TEXT_PART_TYPES)
+            msg = f"content part type {bad!r} is not supported; accepted: {accepted}"
+            raise APIError(400, msg, param="messages")
+        content = "\n".join(p.text or "" for p in content)
+    extra = {k: v for k, v in (m.model_extra or {}).items() if v is not None}
+    return {**extra, "role": m.role, "content": content or ""}
+
+
+def render_chat_prompt(
+    tokenizer,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+    tools: list[dict] | None = None,
+) -> list[int]:
+    """The model's chat template as text, then tokens (the template carries its own specials).
+
+    `tools` reach the template as its `tools` variable; history tool-call arguments as objects.
+    """
+    if not messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions")
+    try:
+        conversation = template_messages([_message_dict(m) for m in messages])
+    except SamplingParamsError as e:
+        raise APIError(400, str(e), param=e.param) from e
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+    except Exception as e:  # noqa: BLE001 - a template's raise_exception() is the user's error
+        raise APIError(400, f"chat template error: {e}", param="messages") from e
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if not ids:
+        raise APIError(400, "messages rendered to an empty prompt", param="messages")
+    return ids
+
+
+class ChatChoiceFormatter:
+    """One choice's engine deltas -> chat stream choices; also accumulates the full message."""
+
+    def __init__(self, ctx: ServingContext, choice: ChoiceRequest, body, plan: ToolPlan):
+        self.index, self.strings = choice.index, ctx.token_strings
+        self.num_top = (body.top_logprobs or 0) if body.logprobs else None
+        self.reader = ToolCallReader(plan, ctx.tool_call_parser)
+        self.content, self.logprobs = "", []
+        self.tool_calls: dict[int, ToolCall] = {}
+        self.finish_reason, self.stop_reason = None, None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def delta(self, out: RequestOutput) -> ChatStreamChoice | None:
+        if self.finished:  # nothing after a choice's finish_reason
+            return None
+        c = out.outputs[0]
+        read = self.reader.feed(c.text)
+        if c.finish_reason is not None:
+            tail = self.reader.finish()
+            read = StreamDelta(read.content + tail.content, read.tool_calls + tail.tool_calls)
+        self.content += read.content
+        calls = self._add_calls(read)
+        self.finish_reason = self.reader.finish_reason(c.finish_reason)
+        self.stop_reason = c.stop_reason
+        logprobs = None
+        if self.num_top is not None and c.token_ids:
+            entries = chat_logprobs(self.strings, c.logprobs or [], self.num_top)
+            self.logprobs += entries
+            logprobs = ChatChoiceLogprobs(content=entries)
+        if not (read.content or calls or logprobs or self.finished):
+            return None
+        content = read.content if read.content or (logprobs and not calls) else None
+        return ChatStreamChoice(
+            index=self.index,
+            delta=DeltaMessage(content=content, tool_calls=calls or None),
+            logprobs=logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+
+    def _add_calls(self, read: StreamDelta) -> list[DeltaToolCall]:
+        """Accumulates the calls and returns them as OpenAI's stream pieces (a call's first
+        piece carries id, type and name), one piece per call per chunk."""
+        pieces: dict[int, DeltaToolCall] = {}
+        for d in read.tool_calls:
+            if d.name is not None:
+                fn = FunctionCall(name=d.name, arguments="")
+                self.tool_calls[d.index] = ToolCall(id=d.id, function=fn)
+            self.tool_calls[d.index].function.arguments += d.arguments
+            piece = pieces.get(d.index)
+            if piece is None:
+                fn = DeltaFunctionCall(name=d.name, arguments=d.arguments)
+                kind = "function" if d.id else None
+                pieces[d.index] = DeltaToolCall(index=d.index, id=d.id, type=kind, function=fn)
+            else:
+                piece.function.arguments += d.arguments
+        return list(pieces.values())
+
+    def message_choice(self) -> ChatChoice:
+        logprobs = None
+        if self.num_top is not None:
+            logprobs = ChatChoiceLogprobs(content=self.logprobs)
+        calls = [self.tool_calls[i] for i in sorted(self.tool_calls)] or None
+        content = self.content if self.content or not calls else None
+        return ChatChoice(
+            index=self.index,
+            message=ChatResponseMessage(content=content, tool_calls=calls),
+            logprobs=logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class ChatRun:
+    """A chat request past every check: its engine requests and how to read their text."""
+
+    request_id: str
+    prompt_ids: list[int]
+    choices: list[ChoiceRequest]
+    plan: ToolPlan
+
+
+def plan_chat_tools(ctx: ServingContext, body: ChatCompletionRequest) -> ToolPlan:
+    try:
+        return plan_tools(
+            body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_call_parser is not None
+        )
+    except SamplingParamsError as e:
+        raise APIError(400, str(e), param=e.param) from e
+
+
+async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request_id: str):
+    """Every refusal for a chat request, before any response: model, tools, sampling fields,
+    grammar (compiled here, off the engine thread), template, limits, queue."""
+    ctx.check_model(body.model)
+    plan = plan_chat_tools(ctx, body)
+    params = to_sampling_params(body, defaults=ctx.generation_defaults)
+    source = body.grammar_source()
+    param = source[1] if source else None
+    for fn in plan.functions if plan.mode != "none" else []:  # each schema must compile
+        fn_params = replace(params, structured_outputs=GrammarSpec.json_schema(fn["parameters"]))
+        await compile_grammar(ctx, fn_params, "tools")
+    if plan.grammar is not None:
+        if source is not None:
+            msg = f"{param} cannot be combined with tool_choice {plan.mode!r}"
+            raise APIError(400, msg, param=param)
+        params, param = replace(params, structured_outputs=plan.grammar), "tools"
+    await compile_grammar(ctx, params, param)
+    tools = body.tools if plan.functions else None
+    prompt_ids = render_chat_prompt(
+        ctx.tokenizer, body.messages, body.add_generation_prompt, body.add_special_tokens, tools
+    )
+    # Engine ids stay unique even when a client reuses its X-Request-Id.
+    choices = plan_choices(f"{request_id}-{uuid.uuid4().hex[:8]}", [prompt_ids], [params])
+    make_requests(ctx, choices, "messages")
+    return ChatRun(request_id, prompt_ids, choices, plan)
+
+
+async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest):
+    run = await prepare_chat(ctx, body, f"chatcmpl-{current_request_id()}")
+    request_id, prompt_ids, choices = run.request_id, run.prompt_ids, run.choices
+    formatters = [ChatChoiceFormatter(ctx, c, body, run.plan) for c in choices]
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = _stream(ctx, request_id, [prompt_ids], choices, formatters, include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream")
+    return await _full(ctx, request_id, [prompt_ids], choices, formatters)
+
+
+async def _full(ctx, request_id, prompts, choices, formatters) -> JSONResponse:
+    states = [ChoiceState() for _ in choices]
+    try:
+        async for batch in merge_outputs(ctx, choices):
+            for index, out in batch:
+                states[index].add(out)
+                formatters[index].delta(out)
+    except Exception as e:  # noqa: BLE001 - engine failures become an error object
+        raise engine_error(e) from e
+    resp = ChatCompletionResponse(
+        id=request_id,
+        model=ctx.model_name,
+        choices=[f.message_choice() for f in formatters],
+        usage=make_usage(prompts, choices, states),
+    )
+    return JSONResponse(resp.model_dump())
+
+
+async def _stream(
+    ctx, request_id, prompts, choices, formatters, include_usage: bool
+) -> AsyncIterator[str]:
+    created = int(time.time())  # one id and one created per stream
+    head = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[])
+    fields = head.model_dump(exclude={"choices", "usage"})  # id, object, created, model
+
+    def chunk(choices_, usage=None) -> str:
+        data = {**fields, "choices": [c.model_dump() for c in choices_]}
+        if include_usage:
+            data["usage"] = usage.model_dump() if usage is not None else None
+        return sse(json.dumps(data, ensure_ascii=False))
+
+    states = [ChoiceState() for _ in choices]
+    try:
+        for f in formatters:  # the role goes in each choice's first delta, and only there
+            role = DeltaMessage(role="assistant", content="")
+            yield chunk([ChatStreamChoice(index=f.index, delta=role)])
+        async for batch in merge_outputs(ctx, choices):
+            for index, out in batch:
+                states[index].add(out)
+                d = formatters[index].delta(out)
+                if d is not None:
+                    yield chunk([d])
+        if include_usage:
+            yield chunk([], make_usage(prompts, choices, states))
+    except Exception as e:  # noqa: BLE001 - headers are out: report in-band, then end
+        err = engine_error(e)
+        yield sse(json.dumps(error_body(err.status, err.message, err.type)))
+    yield "data: [DONE]\n\n"

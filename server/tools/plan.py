@@ -1,0 +1,182 @@
+"""Chat tools: validating `tools` and `tool_choice`, and the grammar that enforces a choice.
+
+    tool_choice   what constrains the output              how calls are read      finish_reason
+    "none"        nothing (tools still reach the template) no calls               as generated
+    "auto"        nothing                                  --tool-call-parser      "tool_calls"
+    "required"    grammar: one or more hermes calls        hermes                  "tool_calls"
+    named         grammar: that function's parameters      the text is arguments   "stop"
+
+A forced call is written in the hermes format (`<tool_call>\\n{"name": ..., "arguments": ...}
+\\n</tool_call>`), name first, so its arguments stream as they are generated.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+from engine.sampling_params import GrammarSpec, SamplingParamsError
+from server.tools.base import StreamDelta, ToolCallDelta, new_tool_call_id
+from server.tools.registry import get_tool_parser
+
+ToolMode = Literal["none", "auto", "required", "named"]
+
+# The JSON inside a forced call is laid out as OpenAI's is (see engine/sample/structured_output.py).
+_X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass
+class ToolPlan:
+    mode: ToolMode
+    functions: list[dict]  # each {"name", "description"?, "parameters"}
+    grammar: GrammarSpec | None = None
+    function_name: str | None = None  # the named function
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.mode in ("auto", "required")
+
+
+def check_tools(tools: list | None) -> list[dict]:
+    """The function definitions of `tools`; 400 naming `tools` for anything malformed."""
+    functions = []
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise SamplingParamsError("tools", f"tools[{i}]: only tools of type function")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise SamplingParamsError("tools", f"tools[{i}].function.name must be a string")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise SamplingParamsError("tools", f"tools[{i}].function.parameters must be an object")
+        functions.append({**fn, "parameters": params})
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise SamplingParamsError("tools", "tools must have distinct function names")
+    return functions
+
+
+def plan_tools(
+    tools: list | None,
+    tool_choice: str | dict | None,
+    parallel_tool_calls: bool | None,
+    auto_enabled: bool,
+) -> ToolPlan:
+    functions = check_tools(tools)
+    if not functions:
+        if tool_choice not in (None, "none"):
+            raise SamplingParamsError("tool_choice", "tool_choice needs tools")
+        return ToolPlan("none", [])
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "none":
+        return ToolPlan("none", functions)
+    if choice == "auto":
+        if not auto_enabled:
+            msg = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'
+            raise SamplingParamsError("tool_choice", msg)
+        return ToolPlan("auto", functions)
+    if choice == "required":
+        grammar = required_grammar(functions, parallel_tool_calls is not False)
+        return ToolPlan("required", functions, grammar)
+    name = _named_function(choice)
+    fn = next((f for f in functions if f["name"] == name), None)
+    if fn is None:
+        raise SamplingParamsError("tool_choice", f"tool_choice names {name!r}, not in tools")
+    return ToolPlan("named", functions, GrammarSpec.json_schema(fn["parameters"]), name)
+
+
+def _named_function(choice) -> str:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
+        if isinstance(name, str):
+            return name
+    msg = 'tool_choice must be "none", "auto", "required" or {"type": "function", ...}'
+    raise SamplingParamsError("tool_choice", msg)
+
+
+def _with_layout(schema: dict) -> dict:
+    return {**schema, "x-guidance": {**_X_GUIDANCE, **schema.get("x-guidance", {})}}
+
+
+def required_grammar(functions: list[dict], parallel: bool) -> GrammarSpec:
+    """Lark: one hermes call to any of the functions (or several, newline-separated)."""
+    rules = [f"start: call ({json.dumps(chr(10))} call)*" if parallel else "start: call"]
+    rules.append("call: " + " | ".join(f"fn{i}" for i in range(len(functions))))
+    tail = json.dumps("}\n</tool_call>")
+    for i, fn in enumerate(functions):
+        head = json.dumps(f'<tool_call>\n{{"name": {json.dumps(fn["name"])}, "arguments": ')
+        rules.append(f"fn{i}: {head} args{i} {tail}")
+        rules.append(f"args{i}: %json {json.dumps(_with_layout(fn['parameters']))}")
+    return GrammarSpec("grammar", "\n".join(rules))
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """History for the chat template: assistant tool-call arguments as objects, as templates
+    (Qwen's, Hermes') expect; OpenAI sends them as JSON text."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if m.get("role") == "assistant" and calls:
+            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                raise SamplingParamsError("messages", "tool_calls must be a list of objects")
+            m = {**m, "tool_calls": [_call_for_template(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _call_for_template(call: dict) -> dict:
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        raise SamplingParamsError("messages", "a tool call's function must be an object")
+    fn = dict(fn)
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            fn["arguments"] = json.loads(args)
+        except json.JSONDecodeError as e:
+            raise SamplingParamsError("messages", "tool call arguments must be JSON") from e
+    return {**call, "function": fn}
+
+
+class ToolCallReader:
+    """One choice's generated text -> content and tool-call deltas, by its plan's mode."""
+
+    def __init__(self, plan: ToolPlan, parser_name: str | None) -> None:
+        self.plan = plan
+        self.streamer = None
+        if plan.parses_calls:  # forced calls are written in the hermes format whatever the flag
+            self.streamer = get_tool_parser(parser_name if plan.mode == "auto" else "hermes")
+            self.streamer = self.streamer.streamer()
+        self.call_id: str | None = None
+        self.num_calls = 0
+
+    def feed(self, text: str) -> StreamDelta:
+        if self.streamer is not None:
+            return self._count(self.streamer.feed(text))
+        if self.plan.mode != "named":
+            return StreamDelta(content=text)
+        out = StreamDelta()
+        if self.call_id is None:
+            self.call_id = new_tool_call_id()
+            out.tool_calls.append(ToolCallDelta(0, self.call_id, self.plan.function_name))
+            self.num_calls = 1
+        if text:
+            out.tool_calls.append(ToolCallDelta(0, arguments=text))
+        return out
+
+    def finish(self) -> StreamDelta:
+        if self.streamer is not None:
+            return self._count(self.streamer.finish())
+        return self.feed("") if self.plan.mode == "named" else StreamDelta()
+
+    def _count(self, delta: StreamDelta) -> StreamDelta:
+        self.num_calls += sum(1 for d in delta.tool_calls if d.name is not None)
+        return delta
+
+    def finish_reason(self, generated: str | None) -> str | None:
+        """OpenAI's: "tool_calls" when auto or required produced calls; a named call "stop"."""
+        if generated == "stop" and self.num_calls and self.plan.parses_calls:
+            return "tool_calls"
+        return generated
