@@ -90,7 +90,7 @@ def mark_gguf(model: nn.Module, model_dir: Path, requested: bool = False) -> int
     in a type of GGUF_TYPES, with their parts; returns how many. Nothing when the folder has no
     BLOCKS_FILE, packing is off ($PAGEDSERVE_GGUF_PACKED=0; or auto and not `requested` by
     --quantization gguf: dequantized bf16 prefills faster and keeps the fused decode step, see
-    README "GGUF quantized weights"), or under tensor parallelism or off the CPU (even with
+    docs/models.md, "GGUF quantized weights"), or under tensor parallelism or off the CPU (even with
     $PAGEDSERVE_GGUF_PACKED=1). Tensors of other types stay dequantized, said in one log line."""
     path = Path(model_dir) / BLOCKS_FILE
     param = next(model.parameters())
