@@ -220,7 +220,7 @@ def test_chat_max_tokens_default_fills_context(scripted, client):
 )
 def test_completion_chunk_envelope_renders_the_models_json(choice):
     """The stream writes head JSON + choice JSON: the same bytes as the whole chunk's model."""
-    from server.openai.completions import chunk_envelope
+    from server.openai.streaming import chunk_envelope
     from server.openai.protocol import CompletionChoice, CompletionResponse
 
     head = CompletionResponse(id="cmpl-1", model='m\u00e9"q', choices=[])
