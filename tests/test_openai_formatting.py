@@ -220,8 +220,8 @@ def test_chat_max_tokens_default_fills_context(scripted, client):
 )
 def test_completion_chunk_envelope_renders_the_models_json(choice):
     """The stream writes head JSON + choice JSON: the same bytes as the whole chunk's model."""
-    from server.openai.completions import chunk_envelope
     from server.openai.protocol import CompletionChoice, CompletionResponse
+    from server.openai.streaming import chunk_envelope
 
     head = CompletionResponse(id="cmpl-1", model='m\u00e9"q', choices=[])
     before, after = chunk_envelope(head)

@@ -6,17 +6,13 @@ and tool calls, whole or streamed as OpenAI streams them.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import GrammarSpec, SamplingParamsError
-from server.openai.errors import APIError, engine_error, error_body
+from server.openai.errors import APIError
 from server.openai.logprobs import chat_logprobs
 from server.openai.protocol import (
     ChatChoice,
@@ -35,16 +31,13 @@ from server.openai.protocol import (
 )
 from server.openai.serving import (
     ChoiceRequest,
-    ChoiceState,
     ServingContext,
     compile_grammar,
     make_requests,
-    make_usage,
-    merge_outputs,
     plan_choices,
-    sse,
     to_sampling_params,
 )
+from server.openai.streaming import ChunkEnvelope, GenerationDriver, sse
 from server.request_id import current_request_id
 from server.tools.base import StreamDelta
 from server.tools.plan import ToolCallReader, ToolPlan, plan_tools, template_messages
@@ -224,60 +217,52 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request
 
 async def create_chat_completion(ctx: ServingContext, body: ChatCompletionRequest):
     run = await prepare_chat(ctx, body, f"chatcmpl-{current_request_id()}")
-    request_id, prompt_ids, choices = run.request_id, run.prompt_ids, run.choices
-    formatters = [ChatChoiceFormatter(ctx, c, body, run.plan) for c in choices]
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _stream(ctx, request_id, [prompt_ids], choices, formatters, include_usage)
-        return StreamingResponse(stream, media_type="text/event-stream")
-    return await _full(ctx, request_id, [prompt_ids], choices, formatters)
+    formatters = [ChatChoiceFormatter(ctx, c, body, run.plan) for c in run.choices]
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return await ChatDriver(ctx, run, formatters, include_usage).respond(body.stream)
 
 
-async def _full(ctx, request_id, prompts, choices, formatters) -> JSONResponse:
-    states = [ChoiceState() for _ in choices]
-    try:
-        async for batch in merge_outputs(ctx, choices):
-            for index, out in batch:
-                states[index].add(out)
-                formatters[index].delta(out)
-    except Exception as e:  # noqa: BLE001 - engine failures become an error object
-        raise engine_error(e) from e
-    resp = ChatCompletionResponse(
-        id=request_id,
-        model=ctx.model_name,
-        choices=[f.message_choice() for f in formatters],
-        usage=make_usage(prompts, choices, states),
-    )
-    return JSONResponse(resp.model_dump())
+class ChatDriver(GenerationDriver):
+    """Chat's pieces: chunks of ChatStreamChoice deltas (the role first, `usage: null` in each
+    with include_usage), or one ChatCompletionResponse of each choice's whole message."""
 
+    def __init__(self, ctx: ServingContext, run: ChatRun, formatters, include_usage: bool):
+        super().__init__(ctx, [run.prompt_ids], run.choices)
+        self.request_id, self.formatters = run.request_id, formatters
+        self.include_usage = include_usage
+        self.head: ChatCompletionChunk | None = None
+        self.envelope: ChunkEnvelope | None = None
 
-async def _stream(
-    ctx, request_id, prompts, choices, formatters, include_usage: bool
-) -> AsyncIterator[str]:
-    created = int(time.time())  # one id and one created per stream
-    head = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=[])
-    fields = head.model_dump(exclude={"choices", "usage"})  # id, object, created, model
+    def collect(self, index: int, out: RequestOutput) -> None:
+        self.formatters[index].delta(out)  # each formatter keeps its whole message
 
-    def chunk(choices_, usage=None) -> str:
-        data = {**fields, "choices": [c.model_dump() for c in choices_]}
-        if include_usage:
-            data["usage"] = usage.model_dump() if usage is not None else None
-        return sse(json.dumps(data, ensure_ascii=False))
+    def opening(self) -> list[str]:
+        created = int(time.time())  # one id and one created per stream
+        self.head = ChatCompletionChunk(
+            id=self.request_id, created=created, model=self.ctx.model_name, choices=[]
+        )
+        self.envelope = ChunkEnvelope(self.head, None if self.include_usage else {"usage"})
+        # the role goes in each choice's first delta, and only there
+        role = DeltaMessage(role="assistant", content="")
+        return [
+            self.envelope.frame(ChatStreamChoice(index=f.index, delta=role))
+            for f in self.formatters
+        ]
 
-    states = [ChoiceState() for _ in choices]
-    try:
-        for f in formatters:  # the role goes in each choice's first delta, and only there
-            role = DeltaMessage(role="assistant", content="")
-            yield chunk([ChatStreamChoice(index=f.index, delta=role)])
-        async for batch in merge_outputs(ctx, choices):
-            for index, out in batch:
-                states[index].add(out)
-                d = formatters[index].delta(out)
-                if d is not None:
-                    yield chunk([d])
-        if include_usage:
-            yield chunk([], make_usage(prompts, choices, states))
-    except Exception as e:  # noqa: BLE001 - headers are out: report in-band, then end
-        err = engine_error(e)
-        yield sse(json.dumps(error_body(err.status, err.message, err.type)))
-    yield "data: [DONE]\n\n"
+    def chunk(self, index: int, out: RequestOutput) -> str | None:
+        d = self.formatters[index].delta(out)
+        return None if d is None else self.envelope.frame(d)
+
+    def closing(self) -> list[str]:
+        if not self.include_usage:
+            return []
+        return [sse(self.head.model_copy(update={"usage": self.usage()}).model_dump_json())]
+
+    def response_body(self) -> dict:
+        resp = ChatCompletionResponse(
+            id=self.request_id,
+            model=self.ctx.model_name,
+            choices=[f.message_choice() for f in self.formatters],
+            usage=self.usage(),
+        )
+        return resp.model_dump()

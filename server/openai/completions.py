@@ -6,14 +6,10 @@ by construction.
 
 from __future__ import annotations
 
-import json
 import uuid
-from collections.abc import AsyncIterator
-
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.outputs import RequestOutput
-from server.openai.errors import APIError, engine_error, error_body
+from server.openai.errors import APIError
 from server.openai.logprobs import CompletionLogprobsBuilder, merge_completion_logprobs
 from server.openai.protocol import (
     CompletionChoice,
@@ -23,16 +19,13 @@ from server.openai.protocol import (
 )
 from server.openai.serving import (
     ChoiceRequest,
-    ChoiceState,
     ServingContext,
     compile_grammar,
     make_requests,
-    make_usage,
-    merge_outputs,
     plan_choices,
-    sse,
     to_sampling_params,
 )
+from server.openai.streaming import ChunkEnvelope, GenerationDriver, sse
 from server.request_id import current_request_id
 
 
@@ -106,11 +99,9 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest):
     make_requests(ctx, choices, "prompt")
     echoes = _echo_texts(ctx, body, prompts)
     formatters = [CompletionChoiceFormatter(ctx, c, echoes[c.prompt_idx], body) for c in choices]
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _stream(ctx, request_id, prompts, choices, formatters, include_usage)
-        return StreamingResponse(stream, media_type="text/event-stream")
-    return await _full(ctx, request_id, prompts, choices, formatters)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    driver = CompletionDriver(ctx, request_id, prompts, choices, formatters, include_usage)
+    return await driver.respond(body.stream)
 
 
 def _echo_texts(ctx: ServingContext, body: CompletionRequest, prompts: list[list[int]]):
@@ -122,25 +113,41 @@ def _echo_texts(ctx: ServingContext, body: CompletionRequest, prompts: list[list
     return [p if isinstance(p, str) else ctx.tokenizer.decode(ids) for p, ids in zip(raw, prompts)]
 
 
-async def _full(ctx, request_id, prompts, choices, formatters) -> JSONResponse:
-    states = [ChoiceState() for _ in choices]
-    deltas: list[list[CompletionChoice]] = [[] for _ in choices]
-    try:
-        async for batch in merge_outputs(ctx, choices):
-            for index, out in batch:
-                states[index].add(out)
-                d = formatters[index].delta(out)
-                if d is not None:
-                    deltas[index].append(d)
-    except Exception as e:  # noqa: BLE001 - engine failures become an error object
-        raise engine_error(e) from e
-    resp = CompletionResponse(
-        id=request_id,
-        model=ctx.model_name,
-        choices=[_combine(i, ds) for i, ds in enumerate(deltas)],
-        usage=make_usage(prompts, choices, states),
-    )
-    return JSONResponse(resp.model_dump())
+class CompletionDriver(GenerationDriver):
+    """Completions' pieces: CompletionChoice deltas, streamed in the head's envelope or
+    combined per choice into one CompletionResponse."""
+
+    def __init__(self, ctx, request_id, prompts, choices, formatters, include_usage: bool):
+        super().__init__(ctx, prompts, choices)
+        self.formatters, self.include_usage = formatters, include_usage
+        self.head = CompletionResponse(id=request_id, model=ctx.model_name, choices=[])
+        self.deltas: list[list[CompletionChoice]] = [[] for _ in choices]
+        self.envelope: ChunkEnvelope | None = None
+
+    def collect(self, index: int, out: RequestOutput) -> None:
+        d = self.formatters[index].delta(out)
+        if d is not None:
+            self.deltas[index].append(d)
+
+    def opening(self) -> list[str]:
+        self.envelope = ChunkEnvelope(self.head)  # one head, one created, per stream
+        return []
+
+    def chunk(self, index: int, out: RequestOutput) -> str | None:
+        d = self.formatters[index].delta(out)
+        return None if d is None else self.envelope.frame(d)
+
+    def closing(self) -> list[str]:
+        if not self.include_usage:
+            return []
+        return [sse(self.head.model_copy(update={"usage": self.usage()}).model_dump_json())]
+
+    def response_body(self) -> dict:
+        choices = [_combine(i, ds) for i, ds in enumerate(self.deltas)]
+        head, usage = self.head, self.usage()
+        return CompletionResponse(
+            id=head.id, model=head.model, choices=choices, usage=usage
+        ).model_dump()
 
 
 def _combine(index: int, deltas: list[CompletionChoice]) -> CompletionChoice:
@@ -159,34 +166,3 @@ def _combine(index: int, deltas: list[CompletionChoice]) -> CompletionChoice:
         finish_reason=last.finish_reason if last else None,
         stop_reason=last.stop_reason if last else None,
     )
-
-
-def chunk_envelope(head: CompletionResponse) -> tuple[str, str]:
-    """The JSON around the choice of a one-choice chunk of `head` (choices=[]): before +
-    choice.model_dump_json() + after is head.model_copy(update={"choices": [choice]})
-    .model_dump_json(), with the head rendered once per stream instead of once per token."""
-    envelope = head.model_dump_json()
-    cut = envelope.rindex('"choices":[]') + len('"choices":[')
-    return envelope[:cut], envelope[cut:]
-
-
-async def _stream(
-    ctx, request_id, prompts, choices, formatters, include_usage: bool
-) -> AsyncIterator[str]:
-    head = CompletionResponse(id=request_id, model=ctx.model_name, choices=[])
-    before, after = chunk_envelope(head)
-    states = [ChoiceState() for _ in choices]
-    try:
-        async for batch in merge_outputs(ctx, choices):
-            for index, out in batch:
-                states[index].add(out)
-                d = formatters[index].delta(out)
-                if d is not None:
-                    yield sse(before + d.model_dump_json() + after)
-        if include_usage:
-            usage = make_usage(prompts, choices, states)
-            yield sse(head.model_copy(update={"usage": usage}).model_dump_json())
-    except Exception as e:  # noqa: BLE001 - headers are out: report in-band, then end
-        err = engine_error(e)
-        yield sse(json.dumps(error_body(err.status, err.message, err.type)))
-    yield "data: [DONE]\n\n"

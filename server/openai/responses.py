@@ -14,14 +14,13 @@ Every refusal (including `previous_response_id` and `store: true`) happens befor
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
-from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParamsError
 from server.openai.chat import ChatRun, prepare_chat
-from server.openai.errors import APIError, engine_error, error_body
+from server.openai.errors import APIError, error_body
 from server.openai.responses_protocol import (
     ResponsesRequest,
     function_call_item,
@@ -31,7 +30,8 @@ from server.openai.responses_protocol import (
     response_object,
     responses_usage,
 )
-from server.openai.serving import ChoiceState, ServingContext, merge_outputs, sse
+from server.openai.serving import ServingContext
+from server.openai.streaming import GenerationDriver, sse_event
 from server.request_id import current_request_id
 from server.tools.base import StreamDelta
 from server.tools.plan import ToolCallReader
@@ -51,10 +51,7 @@ async def create_response(ctx: ServingContext, body: ResponsesRequest):
     except APIError as e:  # name the Responses field, not the chat one it became
         e.param = _RESPONSES_PARAMS.get(e.param, e.param)
         raise
-    writer = ResponseWriter(ctx, body, run)
-    if body.stream:
-        return StreamingResponse(writer.stream(), media_type="text/event-stream")
-    return await writer.full()
+    return await ResponseWriter(ctx, body, run).respond(body.stream)
 
 
 def _as_chat(body: ResponsesRequest):
@@ -68,32 +65,50 @@ def _as_chat(body: ResponsesRequest):
         raise APIError(400, f"input: {where}: {first.get('msg', 'invalid')}", param="input") from e
 
 
-class ResponseWriter:
-    """One generation's text -> Response output items, whole or as typed events."""
+class ResponseWriter(GenerationDriver):
+    """One generation's text -> Response output items, whole or as typed events (no `[DONE]`)."""
+
+    done = None
 
     def __init__(self, ctx: ServingContext, body: ResponsesRequest, run: ChatRun) -> None:
-        self.ctx, self.body, self.run = ctx, body, run
+        super().__init__(ctx, [run.prompt_ids], run.choices)
+        self.body, self.run = body, run
         self.reader = ToolCallReader(run.plan, ctx.tool_call_parser)
-        self.state = ChoiceState()
+        self.state = self.states[0]  # the one choice (Responses has no n)
         self.items: list[dict] = []  # output items, in order; the open one is last
         self.open_kind: str | None = None  # "message" or "function_call"
         self.calls: dict[int, dict] = {}  # tool-call index -> its item
         self.sequence_number = 0
         self.created_at: int | None = None
 
-    # ---- whole ----------------------------------------------------------------------------
-    async def full(self) -> JSONResponse:
-        try:
-            async for batch in merge_outputs(self.ctx, self.run.choices):
-                for _, out in batch:
-                    self._collect(out)
-        except Exception as e:  # noqa: BLE001 - engine failures become an error object
-            raise engine_error(e) from e
-        return JSONResponse(self._response("completed"))
+    # ---- the driver's hooks ----------------------------------------------------------------
+    def collect(self, index: int, out: RequestOutput) -> None:
+        self._collect(out)
 
-    def _collect(self, out) -> list[dict]:
-        """Adds one engine output; returns the events it makes (used by the stream)."""
-        self.state.add(out)
+    def response_body(self) -> dict:
+        return self._response("completed")
+
+    def opening(self) -> list[str]:
+        start = self._response("in_progress")
+        self.created_at = start["created_at"]
+        created = self._event("response.created", response=start)
+        return [_send(created), _send(self._event("response.in_progress", response=start))]
+
+    def chunk(self, index: int, out: RequestOutput) -> str | None:
+        return "".join([_send(event) for event in self._collect(out)]) or None
+
+    def closing(self) -> list[str]:
+        final = self._response("completed")
+        incomplete = final["status"] == "incomplete"
+        kind = "response.incomplete" if incomplete else "response.completed"
+        return [_send(self._event(kind, response=final))]
+
+    def error_frame(self, err: APIError) -> str:
+        body = error_body(err.status, err.message, err.type)["error"]
+        return _send(self._event("error", code=body["code"], message=body["message"], param=None))
+
+    def _collect(self, out: RequestOutput) -> list[dict]:
+        """Takes in one engine output (its usage already counted); returns the events it makes."""
         events = self._apply(self.reader.feed(out.outputs[0].text))
         if out.finished:
             events += self._apply(self.reader.finish())
@@ -201,25 +216,6 @@ class ResponseWriter:
             "max_output_tokens" if limited else None,
         )
 
-    # ---- streamed --------------------------------------------------------------------------
-    async def stream(self) -> AsyncIterator[str]:
-        def send(event: dict) -> str:
-            return f"event: {event['type']}\n" + sse(json.dumps(event, ensure_ascii=False))
 
-        start = self._response("in_progress")
-        self.created_at = start["created_at"]
-        yield send(self._event("response.created", response=start))
-        yield send(self._event("response.in_progress", response=start))
-        try:
-            async for batch in merge_outputs(self.ctx, self.run.choices):
-                for _, out in batch:
-                    for event in self._collect(out):
-                        yield send(event)
-            final = self._response("completed")
-            incomplete = final["status"] == "incomplete"
-            kind = "response.incomplete" if incomplete else "response.completed"
-            yield send(self._event(kind, response=final))
-        except Exception as e:  # noqa: BLE001 - headers are out: report in-band, then end
-            err = engine_error(e)
-            body = error_body(err.status, err.message, err.type)["error"]
-            yield send(self._event("error", code=body["code"], message=body["message"], param=None))
+def _send(event: dict) -> str:
+    return sse_event(event["type"], json.dumps(event, ensure_ascii=False))

@@ -221,7 +221,3 @@ def make_usage(
         total_tokens=num_prompt + num_completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(first.values())),
     )
-
-
-def sse(data: str) -> str:
-    return f"data: {data}\n\n"
