@@ -1,8 +1,8 @@
 """Many-row GGUF linears: gguf_gemm (pagedserve_kernels/csrc/gguf_gemm.cpp) against the other paths,
 one run.
 
-    OMP_NUM_THREADS=1 python bench/gguf_gemm.py --threads 1
-    OMP_NUM_THREADS=2 python bench/gguf_gemm.py --threads 2 --prefill
+    OMP_NUM_THREADS=1 python bench/micro/gguf_gemm.py --threads 1
+    OMP_NUM_THREADS=2 python bench/micro/gguf_gemm.py --threads 2
 
 Per linear shape of the default model (SmolLM2-135M: q, k/v, o, gate_up, down, lm_head), GGUF
 type (random valid blocks) and row count M, the time per call of: bf16 weights on the AMX linear
@@ -13,17 +13,11 @@ GEMM_MIN_ROWS) relative to bf16. The arms run interleaved, round after round, an
 best round. With one thread the clock is the process's CPU time (what the call costs, whatever else
 the machine runs); with more it is the wall clock (CPU time would count the workers' spinning).
 The K types need K % 256 == 0: of these shapes only down (576 x 1536) takes them.
-
---prefill adds the time of a 256-token prompt (one output token) on the default model: bf16
-weights, and Q4_0 and Q8_0 served packed (bench/quantization.py quantized_default) under the
-old dispatch and the new, interleaved in one run (wall clock), a fresh prompt every call.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import random
 import time
 
 import torch
@@ -38,7 +32,6 @@ SHAPES = {  # (N, K) as the default model serves them
     "q": (576, 576), "k/v": (192, 576), "o": (576, 576), "gate_up": (3072, 576),
     "down": (576, 1536), "lm_head": (49152, 576),
 }
-OLD = 1 << 62  # GEMM_MIN_ROWS that sends no call to gguf_gemm: the dispatch before it
 
 
 def clock(threads: int):
@@ -108,42 +101,6 @@ def linears(ops, shapes: list[str], types: list[str], rows: list[int], rounds: i
                       flush=True)
 
 
-def prefill(rounds: int, prompt_len: int) -> None:
-    from quantization import quantized_default
-
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    rng = random.Random(0)
-    os.environ[gguf_quant.GGUF_PACKED_ENV] = "0"
-    llms = {"bf16": LLM(None, dtype="bfloat16", max_model_len=1024)}
-    os.environ[gguf_quant.GGUF_PACKED_ENV] = "1"  # the re-quantized folders are served packed
-    for qtype in ("Q4_0", "Q8_0"):
-        llms[qtype] = LLM(str(quantized_default(qtype)), dtype="bfloat16", max_model_len=1024)
-    os.environ.pop(gguf_quant.GGUF_PACKED_ENV)
-    arms = [("bf16", "bf16", None)]
-    for qtype in ("Q4_0", "Q8_0"):
-        arms += [(f"{qtype} old", qtype, OLD), (f"{qtype} new", qtype, gguf_quant.GEMM_MIN_ROWS)]
-    new_min = gguf_quant.GEMM_MIN_ROWS
-    best = {name: float("inf") for name, _, _ in arms}
-    for _ in range(rounds + 1):  # the first round warms every arm up and is not kept
-        for name, key, min_rows in arms:
-            gguf_quant.GEMM_MIN_ROWS = new_min if min_rows is None else min_rows
-            # a fresh prompt every call: a repeated one would hit the prefix cache
-            prompt = [rng.randrange(100, 40000) for _ in range(prompt_len)]
-            start = time.perf_counter()
-            llms[key].generate([prompt], params, use_tqdm=False)
-            elapsed = time.perf_counter() - start
-            if _ > 0:
-                best[name] = min(best[name], elapsed)
-    gguf_quant.GEMM_MIN_ROWS = new_min
-    print(f"\nprefill of a {prompt_len}-token prompt, one output token, default model, "
-          f"{torch.get_num_threads()} thread(s), wall ms (best of {rounds} rounds, interleaved)")
-    for name, _, _ in arms:
-        print(f"{name:>10} {1e3 * best[name]:8.1f} ms  x bf16 {best[name] / best['bf16']:5.2f}")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=1)
@@ -151,20 +108,13 @@ def main() -> None:
     p.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K")
     p.add_argument("--rows", default="8,32,64,256")
     p.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
-    p.add_argument("--prefill", action="store_true", help="also the 256-token prefill, end to end")
-    p.add_argument("--no-linears", action="store_true", help="only --prefill")
-    p.add_argument("--prompt-len", type=int, default=256)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ops = load_cpu_ops()
     if ops is None or not gguf_quant.gemm_available(ops):
         raise SystemExit("gguf_gemm needs the CPU kernels and AMX-BF16")
-    if not args.no_linears:
-        rows = [int(r) for r in args.rows.split(",")]
-        linears(ops, args.shapes.split(","), args.types.split(","), rows, args.rounds,
-                args.threads)
-    if args.prefill:
-        prefill(args.rounds, args.prompt_len)
+    rows = [int(r) for r in args.rows.split(",")]
+    linears(ops, args.shapes.split(","), args.types.split(","), rows, args.rounds, args.threads)
 
 
 if __name__ == "__main__":
