@@ -1,7 +1,7 @@
 """A/B of one CPU fast path in one process, the two arms interleaved (the machine drifts).
 
-    python bench/cpu_ab.py --feature cascade --workload prefix --rounds 4
-    python bench/cpu_ab.py --feature narrow-linear --workload prefill --rounds 6
+    python bench/micro/cpu_ab.py --feature cascade --workload prefix --rounds 4
+    python bench/micro/cpu_ab.py --feature narrow-linear --workload prefill --rounds 6
 
 cascade: decodes over a shared prefix through paged_attention_cascade
 (pagedserve_kernels/cpu_backend.py, CASCADE_MIN_TOKENS), against the one-pass decode kernel.
@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import random
 import time
+
+from harness import interleaved
 
 import pagedserve_kernels.cpu_backend as cpu_backend
 import pagedserve_kernels.cpu_linear as cpu_linear
@@ -54,23 +56,22 @@ def main() -> None:
     args = p.parse_args()
 
     module, knob, off_value = FEATURES[args.feature]
-    arms = {"on": getattr(module, knob), "off": off_value}
+    arms = {"off": off_value, "on": getattr(module, knob)}  # off first in even rounds
     llm = LLM(None, dtype="bfloat16", max_model_len=2048, max_num_seqs=32)
     rng = random.Random(args.seed)
     warm = SamplingParams(max_tokens=4, ignore_eos=True)
     llm.generate([[rng.randrange(100, 40000) for _ in range(16)]], warm, use_tqdm=False)
     total = {"on": 0.0, "off": 0.0}
-    for r in range(args.rounds):
-        for arm in ("off", "on") if r % 2 == 0 else ("on", "off"):
-            setattr(module, knob, arms[arm])
-            prompts, params, n_out = workload(args.workload, rng)
-            t0 = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            dt = time.perf_counter() - t0
-            total[arm] += dt
-            n_in = sum(len(x) for x in prompts)
-            rates = f"{n_in / dt:6.0f} prompt tok/s, {n_out / dt:6.1f} out tok/s"
-            print(f"round {r} {arm:3s}: {dt:6.2f} s, {rates}", flush=True)
+    for r, arm, value in interleaved(arms, args.rounds):
+        setattr(module, knob, value)
+        prompts, params, n_out = workload(args.workload, rng)
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        total[arm] += dt
+        n_in = sum(len(x) for x in prompts)
+        rates = f"{n_in / dt:6.0f} prompt tok/s, {n_out / dt:6.1f} out tok/s"
+        print(f"round {r} {arm:3s}: {dt:6.2f} s, {rates}", flush=True)
     setattr(module, knob, arms["on"])
     print(
         f"{args.feature} on {args.workload}: off {total['off']:.2f} s, on {total['on']:.2f} s, "

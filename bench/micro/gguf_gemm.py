@@ -18,10 +18,11 @@ The K types need K % 256 == 0: of these shapes only down (576 x 1536) takes them
 from __future__ import annotations
 
 import argparse
-import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from harness import CLOCKS, ab_rounds
 
 from engine.layers.quantization import gguf as gguf_quant
 from engine.layers.quantization.gguf import GGUF_TYPES, VNNI_MAX_ROWS, pack_parts
@@ -34,27 +35,20 @@ SHAPES = {  # (N, K) as the default model serves them
 }
 
 
+def random_blocks(qtype: str, n: int, k: int) -> np.ndarray:
+    """Random valid GGUF blocks (sane fp16 scales and mins), as tests/test_gguf_quant.py's."""
+    rng = np.random.default_rng(0)
+    t = GGUF_TYPES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // t.block, t.nbytes), dtype=np.uint8)
+    offsets = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2)}
+    half = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    for off in offsets.get(qtype, (0,)):
+        raw[..., off : off + 2] = half
+    return raw.reshape(n, -1)
+
+
 def clock(threads: int):
-    return time.process_time if threads == 1 else time.perf_counter
-
-
-def best_of(arms: dict, rounds: int, now, budget_s: float) -> dict[str, float]:
-    """Seconds per call of each arm: reps calls per round sized to about budget_s, rounds
-    interleaved across the arms, the best round kept."""
-    reps = {}
-    for name, fn in arms.items():
-        fn()
-        start = now()
-        fn()
-        reps[name] = max(1, int(budget_s / max(now() - start, 1e-6)))
-    best = {name: float("inf") for name in arms}
-    for _ in range(rounds):
-        for name, fn in arms.items():
-            start = now()
-            for _ in range(reps[name]):
-                fn()
-            best[name] = min(best[name], (now() - start) / reps[name])
-    return best
+    return CLOCKS["cpu" if threads == 1 else "wall"]
 
 
 def linears(ops, shapes: list[str], types: list[str], rows: list[int], rounds: int,
@@ -73,8 +67,6 @@ def linears(ops, shapes: list[str], types: list[str], rows: list[int], rounds: i
         for qtype in types:
             if k % GGUF_TYPES[qtype].block:
                 continue
-            from quantization import random_blocks
-
             part = pack_parts([(qtype, random_blocks(qtype, n, k))])[0]
             args = (part.qs, part.qh, part.scales, part.mins, part.bits, part.zero)
             for m in rows:
@@ -92,7 +84,7 @@ def linears(ops, shapes: list[str], types: list[str], rows: list[int], rounds: i
                     "deq+mm": deq_mm,
                     "gemm": lambda x=x, out=out, a=args: ops.gguf_gemm(out, x, *a, None),
                 }
-                t = best_of(arms, rounds, now, 0.02)
+                t = ab_rounds(arms, rounds, clock=now, budget_s=0.02)
                 old = t["vnni"] if m <= VNNI_MAX_ROWS else t["deq+mm"]
                 new = t["gemm"] if m >= gguf_quant.GEMM_MIN_ROWS else t["vnni"]
                 print(f"{name:>8} {f'{n}x{k}':>11} {qtype:>5} {m:>4} {1e6 * t['bf16']:9.1f} "
