@@ -32,17 +32,18 @@ FEATURES = {  # feature -> (module, knob, value off); on is the module's own val
 }
 
 
-def workload(name: str, rng: random.Random) -> tuple[list[list[int]], SamplingParams, int]:
+def workload(name: str, rng: random.Random,
+             num_prompts: int | None = None) -> tuple[list[list[int]], SamplingParams, int]:
     def ids(k: int) -> list[int]:
         return [rng.randrange(100, 40000) for _ in range(k)]
 
     if name == "prefix":
         shared = ids(512)
-        prompts, out = [shared + ids(128) for _ in range(64)], 64
+        prompts, out = [shared + ids(128) for _ in range(num_prompts or 64)], 64
     elif name == "std":
-        prompts, out = [ids(256) for _ in range(64)], 128
+        prompts, out = [ids(256) for _ in range(num_prompts or 64)], 128
     else:  # prefill
-        prompts, out = [ids(256) for _ in range(32)], 1
+        prompts, out = [ids(256) for _ in range(num_prompts or 32)], 1
     params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
     return prompts, params, len(prompts) * out
 
@@ -53,6 +54,8 @@ def main() -> None:
     p.add_argument("--workload", choices=("std", "prefix", "prefill"), default="prefix")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=int,
+                   help="prompts per run (default: 64 for std and prefix, 32 for prefill)")
     args = p.parse_args()
 
     module, knob, off_value = FEATURES[args.feature]
@@ -64,7 +67,7 @@ def main() -> None:
     total = {"on": 0.0, "off": 0.0}
     for r, arm, value in interleaved(arms, args.rounds):
         setattr(module, knob, value)
-        prompts, params, n_out = workload(args.workload, rng)
+        prompts, params, n_out = workload(args.workload, rng, args.num_prompts)
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t0
