@@ -16,7 +16,7 @@ With `--groups gemma3` the scheduler has Gemma 3's six KV cache groups (one full
 out of the window to mark: the view's cost with groups.
 
 Times are this thread's CPU time (time.thread_time), medians of repeats.
-Usage: python -m bench.kv_view [--blocks 1000 100000] [--repeats 3] [--groups gemma3]
+Usage: python bench/kv_view.py [--blocks 1000 100000] [--repeats 3] [--groups gemma3]
 """
 
 from __future__ import annotations

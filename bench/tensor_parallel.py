@@ -28,8 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 
 def build_model(path: Path, hidden: int, layers: int, vocab: int) -> Path:
     import torch

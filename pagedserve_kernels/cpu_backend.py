@@ -6,7 +6,7 @@ kernel takes every decode batch; in bf16 where AMX or AVX-512 BF16 is available 
 takes every sequence with more than one new token, and the cascade kernel decodes over a shared
 prefix. fused_decode() runs a whole decode step through every layer in one call (ops.decode_layers;
 ops.decode_layers_mixed where GGUF-packed linears are among them). The thresholds below are
-chosen by measurement: bench/README.md says how to rerun it (bench/cpu_ab.py).
+chosen by measurement: bench/README.md says how to rerun it (bench/micro/cpu_ab.py).
 
 Batch invariance (pagedserve_kernels.cpu_ops.batch_invariant(), `--batch-invariant`): the decode
 kernel and the prefill kernel reduce a query's keys in different orders, and the cascade merges two
@@ -29,11 +29,11 @@ from pagedserve_kernels.reference import TorchAttentionBackend
 CASCADE_MIN_TOKENS = 128
 CASCADE_MIN_SEQS = 8
 # Prefill at head_dim 256 takes the AMX kernel while each query reads at most this many keys (a
-# window no longer, or a context no longer); past it SDPA is faster (bench/attention_decode.py
+# window no longer, or a context no longer); past it SDPA is faster (bench/micro/attention_decode.py
 # --window-case, "prompt of ctx" at full attention). The same bound holds for every head_dim
 # above PREFILL_LONG_MAX_HEAD_DIM (160 to 224 too, unmeasured there: kept as at 256).
 PREFILL_D256_MAX_KEYS = 2048
-# head_dims up to this one prefill on the AMX kernel at any context (bench/attention_decode.py
+# head_dims up to this one prefill on the AMX kernel at any context (bench/micro/attention_decode.py
 # --head-dim-case).
 PREFILL_LONG_MAX_HEAD_DIM = 128
 # Decode steps up to this many sequences run every layer in one kernel call (ops.decode_layers);
@@ -250,7 +250,7 @@ def mixed_layout(layer_weights: list) -> tuple[list[torch.Tensor], torch.Tensor]
 
 def argmax_rows(ops):
     """The row argmax greedy sampling runs: the one-pass kernel on contiguous float32 rows
-    (faster than torch.argmax at vocabulary sizes, bench/sampler.py), else torch.argmax."""
+    (faster than torch.argmax at vocabulary sizes, bench/micro/sampler.py), else torch.argmax."""
 
     def kernel(logits: torch.Tensor) -> torch.Tensor:  # [N] int64
         if logits.dtype == torch.float32 and logits.stride(-1) == 1:

@@ -8,14 +8,15 @@ on AMX tiles where the CPU has AMX, else on AVX-512 BF16 vectors (the same packe
 AMX_NARROW_MAX_OUT outputs) take the AMX kernel at every row count, as it splits the output
 columns over all threads (not the vector body: measured on AMX only). The row and width
 thresholds come from measurements: bench/README.md
-("Narrow linears") and bench/cpu_ab.py rerun them. Same math as F.linear: bf16 inputs, float32
+("Narrow linears") and bench/micro/cpu_ab.py rerun them. Same math as F.linear: bf16 inputs, float32
 accumulation, the bias added in float32, one rounding to bf16.
 
 oneDNN builds (JIT-compiles) and caches a kernel for every distinct row count it meets, about
 0.6 MiB each (ideep's and oneDNN's caches, 1024 entries apiece), so prefill chunks of every
 length made memory grow for thousands of requests: oneDNN calls run on rows padded up to one of
 a few sizes per doubling (onednn_rows()), which bounds both caches and the compiling, for at
-most 1/8 more rows past 128 (bench/onednn_rows.py measures both, exact against padded).
+most 1/8 more rows past 128 (exact against padded: bench/results/HISTORY.md, "Experiments
+retired in the house issue (2026-12-04)", "oneDNN row padding").
 
 Batch invariance (pagedserve_kernels.cpu_ops.batch_invariant()): our kernel takes every call, so a
 row's result is the same bits at any row count (both bodies run each row's K loop alone; oneDNN

@@ -17,7 +17,7 @@
 // only cover one block, and every 16 x 16 int32 result would go through memory and 16 vector
 // multiply-adds per block of 32 k; here the scaling is paid once per weight and amortized over
 // all the rows, and a C tile accumulates across the whole K. (The INT8 variant was chosen
-// against on those operation counts, not built; bench/gguf_gemm.py measures this kernel
+// against on those operation counts, not built; bench/micro/gguf_gemm.py measures this kernel
 // against VNNI, dequantize + matmul and bf16 weights.)
 #include "common.h"
 #include "gguf_layout.h"

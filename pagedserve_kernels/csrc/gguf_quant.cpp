@@ -232,7 +232,8 @@ using GroupFn = void (*)(const Weights&, const ActRows&, int64_t, int64_t, int64
 #define PAGEDSERVE_GGUF_VNNI 1
 
 // Blocks ahead that vnni_rows asks the cache for: the hardware prefetcher alone leaves a
-// one-row GEMV short of the machine's read bandwidth (bench/gguf_profile.py prints both).
+// one-row GEMV short of the machine's read bandwidth (bench/quantization.py --profile prints
+// both).
 constexpr int64_t kPrefetchBlocks = 4;
 
 // Into L1: the cache lines of block b of group g (past the group's last block: the next group's
@@ -324,7 +325,8 @@ void vnni_group(const Weights& w, const ActRows& a, int64_t g, int64_t m0, int64
 
 // The template for this weight format; nullptr for a combination no GGUF type has (the
 // portable loop runs it). fp16 scales: the 32-weight types; float32: any (the K types, and
-// the layout before fp16 scales, which bench/quantization.py --f32-scales measures against).
+// the layout before fp16 scales: bench/results/HISTORY.md, "Experiments retired in the house
+// issue (2026-12-04)", "fp16 GGUF block scales against float32").
 template <typename T>
 GroupFn<T> vnni_for(const Weights& w) {
   const bool mins = w.mins != nullptr;

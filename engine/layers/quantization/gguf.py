@@ -42,8 +42,8 @@ logger = logging.getLogger(__name__)
 
 LANES, BLOCK = 16, 32
 # Where the CPU has AMX, calls of at least this many rows run gguf_gemm, fewer the integer
-# kernel (bench/gguf_gemm.py measures both against bf16 weights at M = 8..256). The fused decode
-# step has the same rule in C++ (pagedserve_kernels/csrc/ops.h kGgufGemmMinRows).
+# kernel (bench/micro/gguf_gemm.py measures both against bf16 weights at M = 8..256). The fused
+# decode step has the same rule in C++ (pagedserve_kernels/csrc/ops.h kGgufGemmMinRows).
 GEMM_MIN_ROWS = 16
 # Without AMX: rows up to this run the integer kernel; more dequantize the weight and run one
 # matmul, which only pays off for long prefill chunks (bench/quantization.py --gguf).

@@ -1,8 +1,8 @@
 """Attention side by side: per-sequence reference, batched torch, Triton (CUDA only), and the
 sliding-window case on the backends.
 
-    python bench/attention_decode.py [--batch 32] [--context 512] [--device cpu|cuda]
-    python bench/attention_decode.py --window-case [--context 4096] [--window 512] [--batch 8]
+    python bench/micro/attention_decode.py [--batch 32] [--context 512] [--device cpu|cuda]
+    python bench/micro/attention_decode.py --window-case [--context 4096] [--window 512] [--batch 8]
                                      [--threads N]
 
 Default: SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64), block_size 16, blocks
@@ -26,7 +26,7 @@ key x head dim) so that head_dims compare, and the relative error against the to
 --clock cpu counts the process's CPU seconds (with OMP_NUM_THREADS=1 or --threads 1: the
 work, whatever else the machine runs).
 
-    python bench/attention_decode.py --head-dim-case [--batch 8] [--contexts 512,2048]
+    python bench/micro/attention_decode.py --head-dim-case [--batch 8] [--contexts 512,2048]
                                      [--threads 1] [--clock cpu] [--repeat 5]
 """
 
@@ -37,6 +37,7 @@ import statistics
 import time
 
 import torch
+from harness import CLOCKS, add_clock_arg, measure
 
 from pagedserve_kernels import get_attention_backend
 from pagedserve_kernels.backend import AttentionMetadata
@@ -92,17 +93,8 @@ def make_inputs(batch: int, context: int, device: str, dtype: torch.dtype, shape
 
 
 def median_ms(fn, device: str, repeat: int, stat=statistics.median, clock=time.perf_counter):
-    fn()
-    times = []
-    for _ in range(repeat):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = clock()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((clock() - t0) * 1e3)
-    return stat(times)
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    return 1e3 * measure(fn, repeat, stat=stat, clock=clock, sync=sync)
 
 
 def decode_paths(args) -> None:
@@ -180,7 +172,7 @@ def head_dim_case(args) -> None:
     ops = load_cpu_ops()
     backend = get_attention_backend("auto", "cpu")
     oracle = TorchAttentionBackend()
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = CLOCKS[args.clock]
     contexts = [int(c) for c in args.contexts.split(",")]
     print(
         f"attention by head_dim, block_size 16, decode batch {args.batch}, "
@@ -243,7 +235,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--head-dim-case", action="store_true", help="head_dim 64, 96, 128")
     ap.add_argument("--contexts", default="512,2048", help="with --head-dim-case")
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    add_clock_arg(ap)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,15 +1,15 @@
 """Sampler cost per step by parameter mix, as a ratio to plain greedy argmax, measured side by side.
 
-python bench/sampler.py [--rows 256] [--vocab 49152] [--device cpu|cuda] [--iters 20]
+python bench/micro/sampler.py [--rows 256] [--vocab 49152] [--device cpu|cuda] [--iters 20]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import time
 
 import torch
+from harness import measure, ratio_table
 
 from engine.core.request import Request
 from engine.sample.sampler import Sampler
@@ -40,13 +40,9 @@ def _requests(n: int, vocab: int, params: dict) -> list[Request]:
 
 
 def _time(sampler: Sampler, logits: torch.Tensor, reqs: list[Request], iters: int) -> float:
-    sampler(logits, reqs)  # warm-up (and generator / prompt-mask creation)
-    if logits.is_cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        sampler(logits, reqs)  # ends in .tolist(): synchronised
-    return (time.perf_counter() - t0) / iters
+    # one warm-up call (and generator / prompt-mask creation); each call ends in .tolist()
+    sync = torch.cuda.synchronize if logits.is_cuda else None
+    return measure(lambda: sampler(logits, reqs), 1, reps=iters, sync=sync)
 
 
 def main() -> None:
@@ -58,12 +54,12 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device(args.device)
     logits = torch.randn(args.rows, args.vocab, device=dev) * 4
-    base = None
     print(f"{args.rows} rows x {args.vocab} vocab on {dev}, {args.iters} iterations each")
-    for name, params in MIXES.items():
-        sec = _time(Sampler(dev), logits, _requests(args.rows, args.vocab, params), args.iters)
-        base = base or sec
-        print(f"{name:>20}: {sec * 1e3:8.2f} ms/step  {sec / base:6.2f}x greedy")
+    rows = [
+        (name, _time(Sampler(dev), logits, _requests(args.rows, args.vocab, params), args.iters))
+        for name, params in MIXES.items()
+    ]
+    ratio_table(rows, unit="ms/step", ratio="x greedy")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 Part 1 counts this thread's CPU time (time.thread_time), so other processes on a shared machine
 inflate it less; part 2 is wall time for both the step and the scheduler's share of it.
 
-Usage: python bench/scheduler_cost.py [--sizes 32 256 1024] [--steps 200] [--no-real]
+Usage: python bench/micro/scheduler_cost.py [--sizes 32 256 1024] [--steps 200] [--no-real]
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import argparse
 import os
 import statistics
 import time
+
+from harness import CLOCKS
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import cdiv
@@ -67,15 +69,16 @@ def decode_scheduler(num_running: int, num_steps: int) -> Scheduler:
 
 def time_null_steps(num_running: int, num_steps: int) -> dict[str, float]:
     sched = decode_scheduler(num_running, num_steps)
+    clock = CLOCKS["thread"]
     sched_ms, update_ms = [], []
     for _ in range(num_steps):
-        t0 = time.thread_time()
+        t0 = clock()
         out = sched.schedule()
-        t1 = time.thread_time()
+        t1 = clock()
         sampled = null_runner(out)
-        t2 = time.thread_time()
+        t2 = clock()
         sched.update_from_output(out, sampled)
-        t3 = time.thread_time()
+        t3 = clock()
         assert len(out.requests) == num_running and not out.preempted
         sched_ms.append((t1 - t0) * 1e3)
         update_ms.append((t3 - t2) * 1e3)

@@ -1,6 +1,6 @@
 """Microseconds per KV cache bookkeeping operation (pure Python, no model, no torch).
 
-    python bench/block_pool_ops.py [--block-size 16] [--repeat 5]
+    python bench/micro/block_pool_ops.py [--block-size 16] [--repeat 5]
 
 Each row is the best of --repeat timeit runs (the least disturbed by other processes). The
 last row times one iteration of an empty Python for loop on the same machine, so numbers from a
@@ -10,7 +10,8 @@ loaded or slow machine can be scaled (about 10 ns on an idle modern core).
 from __future__ import annotations
 
 import argparse
-import timeit
+
+from harness import measure, reps_for
 
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
@@ -86,10 +87,8 @@ def bench_hit_admit_free(num_blocks: int, block_size: int):
 
 
 def time_op(op, repeat: int) -> float:
-    """Best-of-repeat microseconds per call."""
-    timer = timeit.Timer(op)
-    number, _ = timer.autorange()
-    return min(timer.repeat(repeat=repeat, number=number)) / number * 1e6
+    """Best-of-repeat microseconds per call, each run about 0.2 s of calls."""
+    return 1e6 * measure(op, repeat, stat=min, reps=reps_for(op, 0.2), warmup=0)
 
 
 def main() -> None:

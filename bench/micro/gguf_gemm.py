@@ -1,8 +1,8 @@
 """Many-row GGUF linears: gguf_gemm (pagedserve_kernels/csrc/gguf_gemm.cpp) against the other paths,
 one run.
 
-    OMP_NUM_THREADS=1 python bench/gguf_gemm.py --threads 1
-    OMP_NUM_THREADS=2 python bench/gguf_gemm.py --threads 2 --prefill
+    OMP_NUM_THREADS=1 python bench/micro/gguf_gemm.py --threads 1
+    OMP_NUM_THREADS=2 python bench/micro/gguf_gemm.py --threads 2
 
 Per linear shape of the default model (SmolLM2-135M: q, k/v, o, gate_up, down, lm_head), GGUF
 type (random valid blocks) and row count M, the time per call of: bf16 weights on the AMX linear
@@ -13,21 +13,16 @@ GEMM_MIN_ROWS) relative to bf16. The arms run interleaved, round after round, an
 best round. With one thread the clock is the process's CPU time (what the call costs, whatever else
 the machine runs); with more it is the wall clock (CPU time would count the workers' spinning).
 The K types need K % 256 == 0: of these shapes only down (576 x 1536) takes them.
-
---prefill adds the time of a 256-token prompt (one output token) on the default model: bf16
-weights, and Q4_0 and Q8_0 served packed (bench/quantization.py quantized_default) under the
-old dispatch and the new, interleaved in one run (wall clock), a fresh prompt every call.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import random
-import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from harness import CLOCKS, ab_rounds
 
 from engine.layers.quantization import gguf as gguf_quant
 from engine.layers.quantization.gguf import GGUF_TYPES, VNNI_MAX_ROWS, pack_parts
@@ -38,30 +33,22 @@ SHAPES = {  # (N, K) as the default model serves them
     "q": (576, 576), "k/v": (192, 576), "o": (576, 576), "gate_up": (3072, 576),
     "down": (576, 1536), "lm_head": (49152, 576),
 }
-OLD = 1 << 62  # GEMM_MIN_ROWS that sends no call to gguf_gemm: the dispatch before it
+
+
+def random_blocks(qtype: str, n: int, k: int) -> np.ndarray:
+    """Random valid GGUF blocks (sane fp16 scales and mins), as tests/test_gguf_quant.py's."""
+    rng = np.random.default_rng(0)
+    t = GGUF_TYPES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // t.block, t.nbytes), dtype=np.uint8)
+    offsets = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2)}
+    half = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    for off in offsets.get(qtype, (0,)):
+        raw[..., off : off + 2] = half
+    return raw.reshape(n, -1)
 
 
 def clock(threads: int):
-    return time.process_time if threads == 1 else time.perf_counter
-
-
-def best_of(arms: dict, rounds: int, now, budget_s: float) -> dict[str, float]:
-    """Seconds per call of each arm: reps calls per round sized to about budget_s, rounds
-    interleaved across the arms, the best round kept."""
-    reps = {}
-    for name, fn in arms.items():
-        fn()
-        start = now()
-        fn()
-        reps[name] = max(1, int(budget_s / max(now() - start, 1e-6)))
-    best = {name: float("inf") for name in arms}
-    for _ in range(rounds):
-        for name, fn in arms.items():
-            start = now()
-            for _ in range(reps[name]):
-                fn()
-            best[name] = min(best[name], (now() - start) / reps[name])
-    return best
+    return CLOCKS["cpu" if threads == 1 else "wall"]
 
 
 def linears(ops, shapes: list[str], types: list[str], rows: list[int], rounds: int,
@@ -80,8 +67,6 @@ def linears(ops, shapes: list[str], types: list[str], rows: list[int], rounds: i
         for qtype in types:
             if k % GGUF_TYPES[qtype].block:
                 continue
-            from quantization import random_blocks
-
             part = pack_parts([(qtype, random_blocks(qtype, n, k))])[0]
             args = (part.qs, part.qh, part.scales, part.mins, part.bits, part.zero)
             for m in rows:
@@ -99,49 +84,13 @@ def linears(ops, shapes: list[str], types: list[str], rows: list[int], rounds: i
                     "deq+mm": deq_mm,
                     "gemm": lambda x=x, out=out, a=args: ops.gguf_gemm(out, x, *a, None),
                 }
-                t = best_of(arms, rounds, now, 0.02)
+                t = ab_rounds(arms, rounds, clock=now, budget_s=0.02)
                 old = t["vnni"] if m <= VNNI_MAX_ROWS else t["deq+mm"]
                 new = t["gemm"] if m >= gguf_quant.GEMM_MIN_ROWS else t["vnni"]
                 print(f"{name:>8} {f'{n}x{k}':>11} {qtype:>5} {m:>4} {1e6 * t['bf16']:9.1f} "
                       f"{1e6 * t['vnni']:9.1f} {1e6 * t['deq+mm']:9.1f} {1e6 * t['gemm']:9.1f} "
                       f"{old / t['bf16']:8.2f} {new / t['bf16']:8.2f} {old / new:8.2f}",
                       flush=True)
-
-
-def prefill(rounds: int, prompt_len: int) -> None:
-    from quantization import quantized_default
-
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    rng = random.Random(0)
-    os.environ[gguf_quant.GGUF_PACKED_ENV] = "0"
-    llms = {"bf16": LLM(None, dtype="bfloat16", max_model_len=1024)}
-    os.environ[gguf_quant.GGUF_PACKED_ENV] = "1"  # the re-quantized folders are served packed
-    for qtype in ("Q4_0", "Q8_0"):
-        llms[qtype] = LLM(str(quantized_default(qtype)), dtype="bfloat16", max_model_len=1024)
-    os.environ.pop(gguf_quant.GGUF_PACKED_ENV)
-    arms = [("bf16", "bf16", None)]
-    for qtype in ("Q4_0", "Q8_0"):
-        arms += [(f"{qtype} old", qtype, OLD), (f"{qtype} new", qtype, gguf_quant.GEMM_MIN_ROWS)]
-    new_min = gguf_quant.GEMM_MIN_ROWS
-    best = {name: float("inf") for name, _, _ in arms}
-    for _ in range(rounds + 1):  # the first round warms every arm up and is not kept
-        for name, key, min_rows in arms:
-            gguf_quant.GEMM_MIN_ROWS = new_min if min_rows is None else min_rows
-            # a fresh prompt every call: a repeated one would hit the prefix cache
-            prompt = [rng.randrange(100, 40000) for _ in range(prompt_len)]
-            start = time.perf_counter()
-            llms[key].generate([prompt], params, use_tqdm=False)
-            elapsed = time.perf_counter() - start
-            if _ > 0:
-                best[name] = min(best[name], elapsed)
-    gguf_quant.GEMM_MIN_ROWS = new_min
-    print(f"\nprefill of a {prompt_len}-token prompt, one output token, default model, "
-          f"{torch.get_num_threads()} thread(s), wall ms (best of {rounds} rounds, interleaved)")
-    for name, _, _ in arms:
-        print(f"{name:>10} {1e3 * best[name]:8.1f} ms  x bf16 {best[name] / best['bf16']:5.2f}")
 
 
 def main() -> None:
@@ -151,20 +100,13 @@ def main() -> None:
     p.add_argument("--types", default="Q4_0,Q8_0,Q4_K,Q6_K")
     p.add_argument("--rows", default="8,32,64,256")
     p.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
-    p.add_argument("--prefill", action="store_true", help="also the 256-token prefill, end to end")
-    p.add_argument("--no-linears", action="store_true", help="only --prefill")
-    p.add_argument("--prompt-len", type=int, default=256)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ops = load_cpu_ops()
     if ops is None or not gguf_quant.gemm_available(ops):
         raise SystemExit("gguf_gemm needs the CPU kernels and AMX-BF16")
-    if not args.no_linears:
-        rows = [int(r) for r in args.rows.split(",")]
-        linears(ops, args.shapes.split(","), args.types.split(","), rows, args.rounds,
-                args.threads)
-    if args.prefill:
-        prefill(args.rounds, args.prompt_len)
+    rows = [int(r) for r in args.rows.split(",")]
+    linears(ops, args.shapes.split(","), args.types.split(","), rows, args.rounds, args.threads)
 
 
 if __name__ == "__main__":
