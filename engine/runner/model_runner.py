@@ -25,6 +25,7 @@ from engine.outputs import ModelRunnerOutput
 from engine.runner.cuda_graphs import DecodeCudaGraphs
 from engine.runner.fused_decode import FusedDecode
 from engine.sample.logprobs import compute_prompt_logprobs
+from engine.sample.rejection_sampler import RejectionSampler
 from engine.sample.sampler import Sampler
 from pagedserve_kernels import AttentionMetadata, get_attention_backend
 from pagedserve_kernels.cpu_ops import load_cpu_ops
@@ -82,6 +83,7 @@ class ModelRunner:
         self.num_blocks = min_across_ranks(self._measure_num_blocks())
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(self.device, load_cpu_ops() if self.device.type == "cpu" else None)
+        self.rejection_sampler = RejectionSampler(self.sampler)  # drafts: verify
         self._allocate_input_buffers()
         self.decode_graphs = self.fused_decode = None
         # Neither the graphs nor the fused decode step know the row-parallel all-reduces,
@@ -299,7 +301,8 @@ class ModelRunner:
     def _sample_with_drafts(
         self, out: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int], result
     ) -> None:
-        """Plain rows through the sampler as usual; requests with drafts through its verify."""
+        """Plain rows through the sampler as usual; requests with drafts through the rejection
+        sampler (engine/sample/rejection_sampler.py)."""
         spec = out.spec_token_ids
         plain_rows, plain_idx, verify_rows, verify_idx = [], [], [], []
         row = 0
@@ -320,7 +323,7 @@ class ModelRunner:
                 sampled[i] = tok
             result.logprobs = sampler_out.logprobs
         reqs = [out.requests[i] for i in verify_idx]
-        verified = self.sampler.verify(
+        verified = self.rejection_sampler.verify(
             logits[verify_rows], reqs, [spec[r.request_id] for r in reqs]
         )
         for i, req, tokens in zip(verify_idx, reqs, verified.token_ids):
