@@ -49,6 +49,18 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        """Fills the defaults left unset, then checks every field (the first bad one raises)."""
+        self._resolve_defaults()
+        self._check_sizes()
+        self._check_choices()
+        self._check_parallel()
+        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 1:
+            raise ValueError("max_num_queued_reqs must be positive")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("grammar_compile_timeout must be positive")
+        self._check_speculative()
+
+    def _resolve_defaults(self) -> None:
         if self.block_size is None:  # resolved once here, so every reader sees one number
             from pagedserve_kernels import default_block_size
 
@@ -59,6 +71,8 @@ class EngineConfig:
             object.__setattr__(
                 self, "max_num_batched_tokens", default_max_num_batched_tokens(self.device)
             )
+
+    def _check_sizes(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             if getattr(self, name) < 1:
@@ -69,6 +83,8 @@ class EngineConfig:
             raise ValueError("num_gpu_blocks_override must be positive")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+    def _check_choices(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -81,12 +97,6 @@ class EngineConfig:
             raise ValueError("quantization is not supported with tensor_parallel_size > 1 yet")
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}")
-        self._check_parallel()
-        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 1:
-            raise ValueError("max_num_queued_reqs must be positive")
-        if not self.grammar_compile_timeout > 0:
-            raise ValueError("grammar_compile_timeout must be positive")
-        self._check_speculative()
 
     def _check_speculative(self) -> None:
         if self.speculative_config is None:

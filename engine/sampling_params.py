@@ -47,6 +47,13 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        """Each field in its range; the first one out of range raises (in this order)."""
+        self._validate_sampling()
+        self._validate_lengths()
+        self._validate_outputs()
+
+    def _validate_sampling(self) -> None:
+        """n and the knobs that shape the distribution: temperature, top-p/k, min-p, penalties."""
         _check(1 <= self.n <= 128, "n", f"n must be between 1 and 128, got {self.n}")
         _check_range("temperature", self.temperature, 0.0, 2.0)
         _check(
@@ -63,6 +70,9 @@ class SamplingParams:
             "repetition_penalty",
             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
         )
+
+    def _validate_lengths(self) -> None:
+        """max_tokens, min_tokens and the seed."""
         if self.max_tokens is not None:
             _check(
                 self.max_tokens >= 1,
@@ -80,6 +90,9 @@ class SamplingParams:
                 "seed",
                 "seed must fit in a signed 64-bit integer",
             )
+
+    def _validate_outputs(self) -> None:
+        """What shapes the output: stop strings, logprobs counts, logit_bias values."""
         _check(
             len(self.stop) <= MAX_STOP_STRINGS,
             "stop",

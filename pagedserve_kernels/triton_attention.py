@@ -82,7 +82,7 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _paged_decode_kernel(
+def _paged_decode_kernel(  # noqa: MFL000 - a Triton kernel is one function by construction
     out_ptr,  # [num_seqs, num_heads, head_dim]
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]

@@ -55,6 +55,21 @@ def build_app(
     install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
 
+    _add_operational_routes(app, engine, metrics)
+    _add_model_routes(app, engine, ctx)
+    _add_generation_routes(app, ctx)
+    _add_tokenizer_routes(app, engine, ctx)
+
+    install_offline_docs(app)
+    if kv_view is not None:
+        install_playground(app, kv_view)
+
+    return app
+
+
+def _add_operational_routes(app: FastAPI, engine: AsyncEngine, metrics: Metrics) -> None:
+    """/health, /ping, /version and /metrics."""
+
     async def health() -> Response:
         try:
             engine.check_health()
@@ -74,6 +89,10 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+
+def _add_model_routes(app: FastAPI, engine: AsyncEngine, ctx: ServingContext) -> None:
+    """/v1/models and /v1/models/{model}: the one served model's card."""
+
     def model_card() -> ModelCard:
         root = str(engine.model_dir)
         return ModelCard(id=ctx.model_name, root=root, max_model_len=ctx.max_model_len)
@@ -87,6 +106,10 @@ def build_app(
         ctx.check_model(model)
         return model_card()
 
+
+def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """The OpenAI generation endpoints: completions, chat completions, responses."""
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         return await create_completion(ctx, body)
@@ -98,6 +121,10 @@ def build_app(
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest):
         return await create_response(ctx, body)
+
+
+def _add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, ctx: ServingContext) -> None:
+    """/tokenize, /detokenize and /tokenizer_info."""
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest):
@@ -113,9 +140,3 @@ def build_app(
     async def tokenizer_info_route() -> dict:
         """The tokenizer's configuration (vLLM's shape), as lm-eval's remote tokenizer reads it."""
         return info
-
-    install_offline_docs(app)
-    if kv_view is not None:
-        install_playground(app, kv_view)
-
-    return app

@@ -162,13 +162,15 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Each running request gets min(tokens owed, budget left, max_model_len cap).
 
-        The hot loop of a decode step, so it binds its lookups locally and calls
-        allocate_slots only when it has work to do: a new block is needed, or a block fills
-        up this step and must be cached (15 of 16 decode steps at block_size 16 need neither).
+        The hot loop of a decode step, so it binds its lookups locally and leaves the named
+        steps to the requests that need them: drafts (_propose), new KV blocks or a KV group
+        delta, with preemption when the pool is full (_allocate_running), and a block table
+        sent anew after rejected drafts gave blocks back (_take_table_reset). It calls
+        allocate_slots only when a new block is needed or a block fills up this step and must
+        be cached (15 of 16 decode steps at block_size 16 need neither).
         """
         running, bs, max_model_len = self.running, self.block_size, self.max_model_len
         get_block_ids = self.kv_cache_manager.get_block_ids
-        allocate_slots = self.kv_cache_manager.allocate_slots
         batch, num_scheduled = out.requests, out.num_scheduled_tokens
         num_computed, new_block_ids = out.num_computed_tokens, out.new_block_ids
         resets = out.block_table_reset
@@ -186,29 +188,19 @@ class Scheduler:
                 num_new += len(drafts)
             end = computed + num_new
             new_ids = _NO_NEW_BLOCKS
-            if hybrid:
-                num_before = self._num_table_entries(req.request_id)
             if (
                 hybrid
                 or end > len(get_block_ids(req.request_id)) * bs
                 or end // bs != computed // bs
             ):
-                new_blocks = allocate_slots(req, num_new)
-                if new_blocks is None and drafts:  # drafts never preempt anyone: drop them
-                    num_new, end, drafts = 1, computed + 1, None
-                    new_blocks = allocate_slots(req, num_new)
-                if new_blocks is None:
-                    new_blocks = self._preempt_until_fits(req, num_new, out)
-                    if new_blocks is None:
-                        break
-                if hybrid:
-                    new_ids = self._add_group_deltas(out, req.request_id, num_before)
-                elif new_blocks:
-                    new_ids = tuple([b.block_id for b in new_blocks])
+                granted = self._allocate_running(req, num_new, drafts, out)
+                if granted is None:  # req itself was preempted
+                    break
+                num_new, drafts, new_ids = granted
+                end = computed + num_new
             reset = False
             if self._tables_to_reset and req.request_id in self._tables_to_reset:
-                self._tables_to_reset.discard(req.request_id)
-                new_ids, reset = tuple(get_block_ids(req.request_id)), True
+                new_ids, reset = self._take_table_reset(req), True
             if drafts:
                 out.spec_token_ids[req.request_id] = drafts
             batch.append(req)
@@ -219,6 +211,38 @@ class Scheduler:
             req.num_computed_tokens = end
             budget -= num_new
         return budget
+
+    def _allocate_running(
+        self, req: Request, num_new: int, drafts: list[int] | None, out: SchedulerOutput
+    ) -> tuple[int, list[int] | None, tuple[int, ...]] | None:
+        """KV slots for a running request's step: (num_new, drafts, group 0's new block ids).
+
+        Drafts never preempt anyone: when the pool is short they are dropped and the request
+        asks for its one token; if even that does not fit, requests are preempted from the
+        back of `running` (None: req itself was). With several KV groups, groups 1.. get
+        their deltas appended to the output.
+        """
+        kv = self.kv_cache_manager
+        if self.is_hybrid:
+            num_before = self._num_table_entries(req.request_id)
+        new_blocks = kv.allocate_slots(req, num_new)
+        if new_blocks is None and drafts:
+            num_new, drafts = 1, None
+            new_blocks = kv.allocate_slots(req, num_new)
+        if new_blocks is None:
+            new_blocks = self._preempt_until_fits(req, num_new, out)
+            if new_blocks is None:
+                return None
+        if self.is_hybrid:
+            return num_new, drafts, self._add_group_deltas(out, req.request_id, num_before)
+        if new_blocks:
+            return num_new, drafts, tuple([b.block_id for b in new_blocks])
+        return num_new, drafts, _NO_NEW_BLOCKS
+
+    def _take_table_reset(self, req: Request) -> tuple[int, ...]:
+        """The whole block table of a request whose rejected drafts gave blocks back."""
+        self._tables_to_reset.discard(req.request_id)
+        return tuple(self.kv_cache_manager.get_block_ids(req.request_id))
 
     def _propose(self, req: Request, budget: int) -> list[int] | None:
         """Draft tokens for a decoding request, capped so that every draft accepted plus the

@@ -25,6 +25,7 @@ from engine.outputs import ModelRunnerOutput
 from engine.runner.cuda_graphs import DecodeCudaGraphs
 from engine.runner.fused_decode import FusedDecode
 from engine.sample.logprobs import compute_prompt_logprobs
+from engine.sample.rejection_sampler import RejectionSampler
 from engine.sample.sampler import Sampler
 from pagedserve_kernels import AttentionMetadata, get_attention_backend
 from pagedserve_kernels.cpu_ops import load_cpu_ops
@@ -82,6 +83,7 @@ class ModelRunner:
         self.num_blocks = min_across_ranks(self._measure_num_blocks())
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.sampler = Sampler(self.device, load_cpu_ops() if self.device.type == "cpu" else None)
+        self.rejection_sampler = RejectionSampler(self.sampler)  # drafts: verify
         self._allocate_input_buffers()
         self.decode_graphs = self.fused_decode = None
         # Neither the graphs nor the fused decode step know the row-parallel all-reduces,
@@ -176,13 +178,26 @@ class ModelRunner:
         Every array op is vectorized over the batch; each request's block-table row persists
         across steps and only the block ids the scheduler allocated this step are copied in.
         """
-        bs, n_reqs = self.block_size, len(out.requests)
+        n_reqs = len(out.requests)
         query_lens = np.fromiter(out.num_scheduled_tokens, dtype=np.int64, count=n_reqs)
         starts = np.fromiter(out.num_computed_tokens, dtype=np.int64, count=n_reqs)
         seq_lens = starts + query_lens
         cu_q = np.cumsum(query_lens)
-        num_tokens = int(cu_q[-1])
         rows = self.block_tables.update(out)
+        positions, slots, input_ids = self._token_inputs(out, rows, query_lens, starts, cu_q)
+        logits_rows, sample_idx = _logits_rows(out, cu_q, seq_lens)
+        max_blocks = int((seq_lens.max() + self.block_size - 1) // self.block_size)
+        meta = self._attention_metadata(rows, slots, query_lens, seq_lens, cu_q, max_blocks)
+        if self.group_block_tables:
+            meta = self._grouped_metadata(out, meta, positions, max_blocks)
+        dev = self.device
+        ids_t = torch.from_numpy(input_ids).to(dev)
+        pos_t = torch.from_numpy(positions).to(dev)
+        return ids_t, pos_t, meta, logits_rows, sample_idx
+
+    def _token_inputs(self, out: SchedulerOutput, rows, query_lens, starts, cu_q):
+        """Per token, in the persistent buffers: absolute position, KV slot, token id."""
+        bs, num_tokens = self.block_size, int(cu_q[-1])
         # Per token: its request's row and its absolute position.
         row_of_token = np.repeat(rows, query_lens)
         positions = self._positions[:num_tokens]
@@ -196,27 +211,13 @@ class ModelRunner:
         np.add(table[row_of_token, positions // bs] * bs, positions % bs, out=slots)
         input_ids = self._input_ids[:num_tokens]
         input_ids[:] = _gather_token_ids(out)
-        # Sample after a request's newest token (and each of its drafts); partial prefill
-        # chunks sample nothing.
-        spec = out.spec_token_ids
-        num_drafts = np.fromiter(
-            (len(spec.get(r.request_id, ())) for r in out.requests) if spec else (),
-            dtype=np.int64,
-            count=n_reqs if spec else 0,
-        )
-        ends = np.fromiter((r.num_tokens for r in out.requests), dtype=np.int64, count=n_reqs)
-        sampled_mask = seq_lens == (ends + num_drafts if spec else ends)
-        sample_idx = np.flatnonzero(sampled_mask).tolist()
-        if spec:  # rows of the newest token and every draft: the last 1 + K of the chunk
-            last = cu_q[sampled_mask]
-            counts = num_drafts[sampled_mask] + 1
-            logits_rows = (np.repeat(last - counts, counts) + _ranges(counts)).tolist()
-        else:
-            logits_rows = (cu_q[sampled_mask] - 1).tolist()
-        max_blocks = int((seq_lens.max() + bs - 1) // bs)
-        block_table = table[rows, :max_blocks]
-        dev = self.device
-        meta = AttentionMetadata(
+        return positions, slots, input_ids
+
+    def _attention_metadata(self, rows, slots, query_lens, seq_lens, cu_q, max_blocks: int):
+        """Group 0's attention metadata, its tensors on the device."""
+        bs, dev = self.block_size, self.device
+        block_table = self.block_tables.table[rows, :max_blocks]
+        return AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev),
             query_start_loc=torch.from_numpy(np.concatenate(([0], cu_q)).astype(np.int32)).to(dev),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
@@ -230,11 +231,6 @@ class ModelRunner:
             if self.kv_cache_spec.windows[0]
             else shared_prefix_blocks(block_table, query_lens, seq_lens, bs),
         )
-        if self.group_block_tables:
-            meta = self._grouped_metadata(out, meta, positions, max_blocks)
-        ids_t = torch.from_numpy(input_ids).to(dev)
-        pos_t = torch.from_numpy(positions).to(dev)
-        return ids_t, pos_t, meta, logits_rows, sample_idx
 
     def _grouped_metadata(self, out, meta, positions, max_blocks: int):
         """Group 0's metadata plus one per other group: its own slots and block table."""
@@ -305,7 +301,8 @@ class ModelRunner:
     def _sample_with_drafts(
         self, out: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int], result
     ) -> None:
-        """Plain rows through the sampler as usual; requests with drafts through its verify."""
+        """Plain rows through the sampler as usual; requests with drafts through the rejection
+        sampler (engine/sample/rejection_sampler.py)."""
         spec = out.spec_token_ids
         plain_rows, plain_idx, verify_rows, verify_idx = [], [], [], []
         row = 0
@@ -326,7 +323,7 @@ class ModelRunner:
                 sampled[i] = tok
             result.logprobs = sampler_out.logprobs
         reqs = [out.requests[i] for i in verify_idx]
-        verified = self.sampler.verify(
+        verified = self.rejection_sampler.verify(
             logits[verify_rows], reqs, [spec[r.request_id] for r in reqs]
         )
         for i, req, tokens in zip(verify_idx, reqs, verified.token_ids):
@@ -367,6 +364,31 @@ def shared_prefix_blocks(
     rows = table[decoding, :limit]
     same = (rows == rows[0]).all(axis=0)
     return limit if same.all() else int(same.argmin())
+
+
+def _logits_rows(out: SchedulerOutput, cu_q, seq_lens) -> tuple[list[int], list[int]]:
+    """Rows of the hidden states to turn into logits, and the requests that sample.
+
+    A request samples after its newest token (and each of its drafts); partial prefill chunks
+    sample nothing.
+    """
+    n_reqs = len(out.requests)
+    spec = out.spec_token_ids
+    num_drafts = np.fromiter(
+        (len(spec.get(r.request_id, ())) for r in out.requests) if spec else (),
+        dtype=np.int64,
+        count=n_reqs if spec else 0,
+    )
+    ends = np.fromiter((r.num_tokens for r in out.requests), dtype=np.int64, count=n_reqs)
+    sampled_mask = seq_lens == (ends + num_drafts if spec else ends)
+    sample_idx = np.flatnonzero(sampled_mask).tolist()
+    if spec:  # rows of the newest token and every draft: the last 1 + K of the chunk
+        last = cu_q[sampled_mask]
+        counts = num_drafts[sampled_mask] + 1
+        logits_rows = (np.repeat(last - counts, counts) + _ranges(counts)).tolist()
+    else:
+        logits_rows = (cu_q[sampled_mask] - 1).tolist()
+    return logits_rows, sample_idx
 
 
 def _gather_token_ids(out: SchedulerOutput) -> list[int]:

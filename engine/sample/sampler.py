@@ -13,11 +13,8 @@ probs --> random rows: inverse CDF, the first token whose cumulative probability
           is in the batch.
 A constrained row's matcher then consumes the token sampled for it.
 
-Draft tokens (speculative decoding) are verified by `Sampler.verify`: each position's logits
-go through the same processors as a plain decode step at that position (penalties and
-min_tokens see the drafts before it as output), then greedy rows accept the longest prefix
-of drafts equal to the argmax and random rows use rejection sampling against the one-hot
-draft distribution; either way one more token follows from the first unaccepted position.
+Draft tokens (speculative decoding) are verified in engine/sample/rejection_sampler.py,
+through the same logits processors.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,32 +33,8 @@ from engine.sample.logprobs import token_logprobs
 from engine.sampling_params import SamplingParams
 from pagedserve_kernels.cpu_backend import argmax_rows as kernel_argmax_rows
 
-
-@dataclass
-class VerifyOutput:
-    token_ids: list[list[int]]  # per request: accepted drafts, then the bonus token
-    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one per token
-
-
-class _DraftPosition:
-    """A request as the logits processors see it at one draft position: its output so far
-    plus the drafts before this position."""
-
-    __slots__ = (
-        "request_id", "sampling_params", "prompt_token_ids", "output_token_ids",
-        "eos_token_id", "eos_token_ids",
-    )
-
-    def __init__(self, req: Request, drafts: list[int]) -> None:
-        self.request_id = req.request_id
-        self.sampling_params = req.sampling_params
-        self.prompt_token_ids = req.prompt_token_ids
-        self.output_token_ids = req.output_token_ids + drafts
-        self.eos_token_id, self.eos_token_ids = req.eos_token_id, req.eos_token_ids
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+if TYPE_CHECKING:
+    from engine.sample.rejection_sampler import VerifyOutput
 
 
 @dataclass
@@ -133,71 +107,10 @@ class Sampler:
         requests: list[Request],  # never constrained by a grammar
         drafts: list[list[int]],
     ) -> VerifyOutput:
-        """Accepted drafts plus one token per request, distributed exactly as plain decoding.
+        """Draft verification, engine/sample/rejection_sampler.py (it builds on this module)."""
+        from engine.sample.rejection_sampler import RejectionSampler
 
-        Random rows: draft t is accepted with probability p(t) (the draft distribution is
-        one-hot); on rejection the token comes from p with t removed and renormalised, and
-        after K acceptances the bonus token from the last row's p.
-        """
-        positions = [
-            _DraftPosition(req, d[:j])
-            for req, d in zip(requests, drafts)
-            for j in range(len(d) + 1)
-        ]
-        processed = apply_logits_processors(logits, positions, self.prompt_mask)
-        params = [p.sampling_params for p in positions]
-        targets = self.argmax_rows(processed).tolist() if any(p.greedy for p in params) else None
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        probs = None
-        if random_rows:
-            probs = torch.zeros_like(processed)
-            random_params = [params[i] for i in random_rows]
-            probs[random_rows] = sampling_probs(processed[random_rows], random_params)
-        token_ids, base = [], 0
-        for req, d in zip(requests, drafts):
-            if req.sampling_params.greedy:
-                a = 0
-                while a < len(d) and targets[base + a] == d[a]:
-                    a += 1
-                token_ids.append(d[:a] + [targets[base + a]])
-            else:
-                token_ids.append(self._rejection_sample(req, d, probs[base : base + len(d) + 1]))
-            base += len(d) + 1
-        return VerifyOutput(token_ids, self._verify_logprobs(logits, requests, drafts, token_ids))
-
-    def _rejection_sample(self, req: Request, drafts: list[int], probs: torch.Tensor) -> list[int]:
-        """probs: [len(drafts) + 1, vocab], the target distribution at each position."""
-        gen = self.generator_for(req.request_id, req.sampling_params)
-        dev = probs.device
-        draft_ids = torch.tensor(drafts, device=dev)
-        p_draft = probs[torch.arange(len(drafts), device=dev), draft_ids].tolist()
-        u = torch.rand(len(drafts) + 1, generator=gen, device=dev).tolist()
-        for j, (t, p) in enumerate(zip(drafts, p_draft)):
-            if u[j] < p:
-                continue
-            residual = probs[j].clone()
-            residual[t] = 0.0  # p minus the one-hot draft, renormalised by the draw below
-            return drafts[:j] + [self._draw(residual, gen)]
-        return drafts + [self._draw(probs[-1], gen)]
-
-    @staticmethod
-    def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:  # probs: [vocab]
-        u = torch.rand(1, 1, generator=gen, device=probs.device)
-        return int(sample_inverse_cdf(probs[None], u)[0])
-
-    @staticmethod
-    def _verify_logprobs(logits, requests, drafts, token_ids) -> dict[str, list[TokenLogprobs]]:
-        """Logprobs of each emitted token from the raw logits of its position."""
-        result: dict[str, list[TokenLogprobs]] = {}
-        base = 0
-        for req, d, toks in zip(requests, drafts, token_ids):
-            k = req.sampling_params.logprobs
-            if k is not None:
-                rows = logits[base : base + len(toks)].log_softmax(dim=-1)  # [T, vocab]
-                ids = torch.tensor(toks, device=logits.device)
-                result[req.request_id] = token_logprobs(rows, ids, [k] * len(toks))
-            base += len(d) + 1
-        return result
+        return RejectionSampler(self).verify(logits, requests, drafts)
 
     def grammar_masks_for(self, vocab_size: int) -> GrammarBitmask:
         if self.grammar_masks is None:

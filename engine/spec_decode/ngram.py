@@ -2,8 +2,9 @@
 
 A decoding request whose last tokens already occurred earlier in its prompt + output gets the
 tokens that followed that occurrence as drafts. The scheduler runs the request's newest token
-and its K drafts as one chunk of 1 + K query tokens; the sampler verifies the drafts against the
-target model's logits at each position (engine/sample/sampler.py, Sampler.verify).
+and its K drafts as one chunk of 1 + K query tokens; the rejection sampler verifies the drafts
+against the target model's logits at each position (engine/sample/rejection_sampler.py,
+RejectionSampler.verify, which the runner calls). Drafting is here, verification there.
 
     | ...... computed ...... | newest | d1 .. dK |   scheduled: 1 + K query tokens
                                row 0    rows 1..K  -> accept d1..da, plus one bonus token
