@@ -23,6 +23,7 @@ from conftest import (
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.core.request import Request
+from engine.sample.rejection_sampler import RejectionSampler
 from engine.sample.sampler import Sampler, sampling_probs
 from engine.spec_decode.ngram import NgramProposer, SpeculativeConfig
 
@@ -337,7 +338,7 @@ def test_processors_see_the_drafts_before_each_position():
         tokens += plain(logits[j : j + 1], [step]).sampled_token_ids
     stale = [plain(logits[j : j + 1], [req]).sampled_token_ids[0] for j in range(k + 1)]
     assert stale != tokens, "the logits must make the per-position output matter"
-    out = Sampler(torch.device("cpu")).verify(logits, [req], [tokens[:k]])
+    out = RejectionSampler(Sampler(torch.device("cpu"))).verify(logits, [req], [tokens[:k]])
     assert out.token_ids == [tokens]
 
 
@@ -387,7 +388,7 @@ def test_rejection_sampling_gives_the_target_distribution(sp):
     )
     params = SamplingParams(max_tokens=8, **sp)
     target = sampling_probs(logits, [params] * 3)  # [3, vocab]
-    sampler, n = Sampler(torch.device("cpu")), 4000
+    sampler, n = RejectionSampler(Sampler(torch.device("cpu"))), 4000
     reqs = [Request(f"r{i}", [0], params) for i in range(n)]
     out = sampler.verify(logits.repeat(n, 1), reqs, [drafts] * n)
     first = torch.tensor([t[0] for t in out.token_ids])

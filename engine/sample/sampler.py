@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,9 +31,6 @@ from engine.sample.grammar_mask import GrammarBitmask, accept_tokens
 from engine.sample.logprobs import token_logprobs
 from engine.sampling_params import SamplingParams
 from pagedserve_kernels.cpu_backend import argmax_rows as kernel_argmax_rows
-
-if TYPE_CHECKING:
-    from engine.sample.rejection_sampler import VerifyOutput
 
 
 @dataclass
@@ -100,17 +96,6 @@ class Sampler:
             sampled_token_ids=sampled_ids,
             logprobs=sampled_logprobs(logits, sampled, requests),  # of the raw distribution
         )
-
-    def verify(
-        self,
-        logits: torch.Tensor,  # [sum(len(d) + 1), vocab] raw; request r's 1 + len(d_r) rows
-        requests: list[Request],  # never constrained by a grammar
-        drafts: list[list[int]],
-    ) -> VerifyOutput:
-        """Draft verification, engine/sample/rejection_sampler.py (it builds on this module)."""
-        from engine.sample.rejection_sampler import RejectionSampler
-
-        return RejectionSampler(self).verify(logits, requests, drafts)
 
     def grammar_masks_for(self, vocab_size: int) -> GrammarBitmask:
         if self.grammar_masks is None:

@@ -171,6 +171,14 @@ async def merge_outputs(
             async for out in stream:
                 yield [(index, out)]
         return
+    async for outputs in _merge_many(ctx, choices):
+        yield outputs
+
+
+async def _merge_many(
+    ctx: ServingContext, choices: list[ChoiceRequest]
+) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+    """n > 1: one pump task per choice into a queue; each batch is what the queue holds."""
     ready: asyncio.Queue = asyncio.Queue()
 
     async def pump(choice: ChoiceRequest) -> None:
@@ -189,21 +197,29 @@ async def merge_outputs(
             batch = [await ready.get()]
             while not ready.empty():
                 batch.append(ready.get_nowait())
-            outputs = []
-            for index, item in batch:
-                if item is _DONE:
-                    num_open -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    outputs.append((index, item))
+            outputs, num_done = _sorted_outputs(batch)
+            num_open -= num_done
             if outputs:
-                outputs.sort(key=lambda x: x[0])
                 yield outputs
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _sorted_outputs(batch: list) -> tuple[list[tuple[int, RequestOutput]], int]:
+    """The outputs of a batch in choice-index order and how many streams ended; re-raises a
+    stream's exception."""
+    outputs, num_done = [], 0
+    for index, item in batch:
+        if item is _DONE:
+            num_done += 1
+        elif isinstance(item, Exception):
+            raise item
+        else:
+            outputs.append((index, item))
+    outputs.sort(key=lambda x: x[0])
+    return outputs, num_done
 
 
 def make_usage(
