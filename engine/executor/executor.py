@@ -89,6 +89,8 @@ def create_executor(config: EngineConfig, model_dir, hf_config) -> Executor:
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, model_dir, hf_config) -> None:
+        # Imported here, not for a cycle: an engine on worker processes never loads the model
+        # runner (torch, the model code) in its own process.
         from engine.runner.model_runner import ModelRunner
 
         self.runner = ModelRunner(config, model_dir, hf_config)
@@ -195,7 +197,7 @@ class WorkerGroup:
     """This host's worker processes: start, wait until loaded, watch, stop (no orphans)."""
 
     def __init__(self, config: EngineConfig, model_dir, master_port: int) -> None:
-        from engine.executor.worker import WorkerSpec, worker_main
+        from engine.executor.worker import WorkerSpec, worker_main  # with UniProc, never loaded
 
         ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
         self.processes: list = []

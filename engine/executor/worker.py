@@ -82,6 +82,8 @@ def _exit_with_parent() -> None:
 
 class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
+        # The engine process imports this module for WorkerSpec and worker_main; what runs the
+        # model is imported here, in the worker process only (not to dodge a cycle).
         from transformers import AutoConfig
 
         from engine.distributed import init_distributed
