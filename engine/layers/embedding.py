@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_gather_last_dim, all_reduce, get_tp
-from engine.layers.linear import ColumnParallelLinear, _rank_rows, _split
+from engine.layers.linear import ColumnParallelLinear, rank_rows, shard_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -19,7 +19,7 @@ class VocabParallelEmbedding(nn.Module):
         tp = get_tp()
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.num_rows = _split(num_embeddings, tp.world_size, "vocab_size")
+        self.num_rows = shard_size(num_embeddings, tp.world_size, "vocab_size")
         self.row_start = tp.rank * self.num_rows
         self.weight = nn.Parameter(torch.empty(self.num_rows, embedding_dim))
         nn.init.normal_(self.weight)  # nn.Embedding's init: the same draws from the seeded RNG
@@ -33,7 +33,7 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(x.masked_fill_(foreign.unsqueeze(-1), 0.0))
 
     def load_shard(self, leaf: str, part: str | None, sl) -> torch.Tensor:
-        return _rank_rows(sl, self.row_start, sl.get_shape()[0] // self.tp_size)
+        return rank_rows(sl, self.row_start, sl.get_shape()[0] // self.tp_size)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows from {self.row_start}"

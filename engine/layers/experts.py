@@ -21,7 +21,7 @@ from torch import nn
 
 from engine.distributed import all_reduce, get_tp
 from engine.layers.base import CPU, NATIVE, KernelLayer
-from engine.layers.linear import _rank_rows, _split
+from engine.layers.linear import rank_rows, shard_size
 
 
 def route_top_k(
@@ -45,7 +45,7 @@ class Experts(KernelLayer):
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
         self.num_experts = num_experts
         e, h = num_experts, hidden_size
-        i = _split(intermediate_size, tp.world_size, "moe_intermediate_size")
+        i = shard_size(intermediate_size, tp.world_size, "moe_intermediate_size")
         self.intermediate_size = i  # this rank's
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
@@ -115,11 +115,11 @@ class Experts(KernelLayer):
         its down_proj, or of the stacked gate_up_proj [E, 2I, H] / down_proj [E, H, I] (leaf)."""
         n, start = self.intermediate_size, self.tp_rank * self.intermediate_size
         if part in ("gate_proj", "up_proj"):
-            return _rank_rows(sl, start, n)
+            return rank_rows(sl, start, n)
         if part == "down_proj":
-            return _rank_rows(sl, start, n, dim=1)
+            return rank_rows(sl, start, n, dim=1)
         if leaf == "down_proj":
-            return _rank_rows(sl, start, n, dim=2)
+            return rank_rows(sl, start, n, dim=2)
         half = sl.get_shape()[1] // 2
-        gate, up = _rank_rows(sl, start, n, dim=1), _rank_rows(sl, half + start, n, dim=1)
+        gate, up = rank_rows(sl, start, n, dim=1), rank_rows(sl, half + start, n, dim=1)
         return torch.cat([gate, up], dim=1)

@@ -69,14 +69,14 @@ class Linear(KernelLayer):
 
 
 # ---- tensor-parallel linears (engine/distributed.py holds the rank) ---
-def _rank_rows(sl, start: int, size: int, dim: int = 0) -> torch.Tensor:
+def rank_rows(sl, start: int, size: int, dim: int = 0) -> torch.Tensor:
     """Rows [start, start + size) along `dim` of a safetensors slice (only they are read)."""
     index = [slice(None)] * len(sl.get_shape())
     index[dim] = slice(start, start + size)
     return sl[tuple(index)]
 
 
-def _split(total: int, world_size: int, what: str) -> int:
+def shard_size(total: int, world_size: int, what: str) -> int:
     if total % world_size:
         raise ValueError(f"{what} ({total}) does not divide by tensor_parallel_size {world_size}")
     return total // world_size
@@ -89,11 +89,11 @@ class ColumnParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         tp = get_tp()
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
-        super().__init__(in_features, _split(out_features, tp.world_size, "output size"), bias)
+        super().__init__(in_features, shard_size(out_features, tp.world_size, "output size"), bias)
 
     def load_shard(self, leaf: str, part: str | None, sl) -> torch.Tensor:
         n = sl.get_shape()[0] // self.tp_size
-        return _rank_rows(sl, self.tp_rank * n, n)
+        return rank_rows(sl, self.tp_rank * n, n)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -110,7 +110,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         half = sl.get_shape()[0] // 2  # stored fused (Phi-3): each half split on its own
         n = half // self.tp_size
         start = self.tp_rank * n
-        return torch.cat([_rank_rows(sl, start, n), _rank_rows(sl, half + start, n)])
+        return torch.cat([rank_rows(sl, start, n), rank_rows(sl, half + start, n)])
 
 
 class QKVParallelLinear(Linear):
@@ -126,9 +126,9 @@ class QKVParallelLinear(Linear):
         tp = get_tp()
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
         self.head_dim = head_dim
-        self.num_heads = _split(num_heads, tp.world_size, "num_attention_heads")
+        self.num_heads = shard_size(num_heads, tp.world_size, "num_attention_heads")
         if num_kv_heads >= tp.world_size:
-            self.num_kv_heads = _split(num_kv_heads, tp.world_size, "num_key_value_heads")
+            self.num_kv_heads = shard_size(num_kv_heads, tp.world_size, "num_key_value_heads")
             self.kv_head_start = tp.rank * self.num_kv_heads
         else:  # replicated: tensor_parallel_size must be a multiple of num_key_value_heads
             if tp.world_size % num_kv_heads:
@@ -147,16 +147,16 @@ class QKVParallelLinear(Linear):
         q_rows = (self.tp_rank * self.q_size, self.q_size)
         kv_rows = (self.kv_head_start * d, self.kv_size)
         if part == "q":
-            return _rank_rows(sl, *q_rows)
+            return rank_rows(sl, *q_rows)
         if part in ("k", "v"):
-            return _rank_rows(sl, *kv_rows)
+            return rank_rows(sl, *kv_rows)
         # stored fused (Phi-3): [all q; all k; all v]
         q_total, kv_total = self.total_num_heads * d, self.total_num_kv_heads * d
         return torch.cat(
             [
-                _rank_rows(sl, *q_rows),
-                _rank_rows(sl, q_total + kv_rows[0], kv_rows[1]),
-                _rank_rows(sl, q_total + kv_total + kv_rows[0], kv_rows[1]),
+                rank_rows(sl, *q_rows),
+                rank_rows(sl, q_total + kv_rows[0], kv_rows[1]),
+                rank_rows(sl, q_total + kv_total + kv_rows[0], kv_rows[1]),
             ]
         )
 
@@ -168,14 +168,14 @@ class RowParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         tp = get_tp()
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
-        super().__init__(_split(in_features, tp.world_size, "input size"), out_features, bias)
+        super().__init__(shard_size(in_features, tp.world_size, "input size"), out_features, bias)
 
     def load_shard(self, leaf: str, part: str | None, sl) -> torch.Tensor:
         if leaf == "bias":
             full = sl[:]
             return full if self.tp_rank == 0 else torch.zeros_like(full)
         n = sl.get_shape()[1] // self.tp_size
-        return _rank_rows(sl, self.tp_rank * n, n, dim=1)
+        return rank_rows(sl, self.tp_rank * n, n, dim=1)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(F.linear(x, self.weight, self.bias))
