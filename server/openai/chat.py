@@ -37,7 +37,7 @@ from server.openai.serving import (
     plan_choices,
     to_sampling_params,
 )
-from server.openai.streaming import ChunkEnvelope, GenerationDriver, sse
+from server.openai.streaming import ChunkEnvelope, ChunkStreamDriver
 from server.request_id import current_request_id
 from server.tools.base import StreamDelta
 from server.tools.plan import ToolCallReader, ToolPlan, plan_tools, template_messages
@@ -222,7 +222,7 @@ async def create_chat_completion(ctx: ServingContext, body: ChatCompletionReques
     return await ChatDriver(ctx, run, formatters, include_usage).respond(body.stream)
 
 
-class ChatDriver(GenerationDriver):
+class ChatDriver(ChunkStreamDriver):
     """Chat's pieces: chunks of ChatStreamChoice deltas (the role first, `usage: null` in each
     with include_usage), or one ChatCompletionResponse of each choice's whole message."""
 
@@ -248,15 +248,6 @@ class ChatDriver(GenerationDriver):
             self.envelope.frame(ChatStreamChoice(index=f.index, delta=role))
             for f in self.formatters
         ]
-
-    def chunk(self, index: int, out: RequestOutput) -> str | None:
-        d = self.formatters[index].delta(out)
-        return None if d is None else self.envelope.frame(d)
-
-    def closing(self) -> list[str]:
-        if not self.include_usage:
-            return []
-        return [sse(self.head.model_copy(update={"usage": self.usage()}).model_dump_json())]
 
     def response_body(self) -> dict:
         resp = ChatCompletionResponse(

@@ -25,7 +25,7 @@ from server.openai.serving import (
     plan_choices,
     to_sampling_params,
 )
-from server.openai.streaming import ChunkEnvelope, GenerationDriver, sse
+from server.openai.streaming import ChunkEnvelope, ChunkStreamDriver
 from server.request_id import current_request_id
 
 
@@ -113,7 +113,7 @@ def _echo_texts(ctx: ServingContext, body: CompletionRequest, prompts: list[list
     return [p if isinstance(p, str) else ctx.tokenizer.decode(ids) for p, ids in zip(raw, prompts)]
 
 
-class CompletionDriver(GenerationDriver):
+class CompletionDriver(ChunkStreamDriver):
     """Completions' pieces: CompletionChoice deltas, streamed in the head's envelope or
     combined per choice into one CompletionResponse."""
 
@@ -132,15 +132,6 @@ class CompletionDriver(GenerationDriver):
     def opening(self) -> list[str]:
         self.envelope = ChunkEnvelope(self.head)  # one head, one created, per stream
         return []
-
-    def chunk(self, index: int, out: RequestOutput) -> str | None:
-        d = self.formatters[index].delta(out)
-        return None if d is None else self.envelope.frame(d)
-
-    def closing(self) -> list[str]:
-        if not self.include_usage:
-            return []
-        return [sse(self.head.model_copy(update={"usage": self.usage()}).model_dump_json())]
 
     def response_body(self) -> dict:
         choices = [_combine(i, ds) for i, ds in enumerate(self.deltas)]

@@ -16,9 +16,11 @@ An endpoint subclasses it and says only what its pieces look like:
     response_body()       non-streamed: the JSON body
     error_frame(err)      streamed: an engine failure in-band (default: OpenAI's error object)
 
-Responses fits the same loop: its typed events (`event: <type>` lines) are what its `chunk`
-returns, `response.created` / `response.completed` its opening and closing, an `error` event its
-error frame, and its stream has no `[DONE]` (`done = None`), as OpenAI's has none.
+Completions and chat share `ChunkStreamDriver`'s chunk and closing (a formatter's delta in the
+stream's envelope; the usage chunk). Responses fits the same loop: its typed events (`event:
+<type>` lines) are what its `chunk` returns, `response.created` / `response.completed` its
+opening and closing, an `error` event its error frame, and its stream has no `[DONE]` (`done =
+None`), as OpenAI's has none.
 
 Chunks are the hot path (one per token per stream): `ChunkEnvelope` renders a chunk's head (id,
 object, created, model) once per stream, so each chunk costs one `model_dump_json` of its choice.
@@ -151,3 +153,23 @@ class GenerationDriver:
             yield self.error_frame(engine_error(e))
         if self.done is not None:
             yield self.done
+
+
+class ChunkStreamDriver(GenerationDriver):
+    """Completions and chat: each streamed output is its choice formatter's delta in the
+    stream's `envelope`, and with include_usage the last chunk is `head` carrying the usage.
+    A subclass sets `formatters` and `include_usage`, and `head` and `envelope` by `opening`."""
+
+    formatters: list
+    include_usage: bool
+    head: BaseModel
+    envelope: ChunkEnvelope
+
+    def chunk(self, index: int, out: RequestOutput) -> str | None:
+        d = self.formatters[index].delta(out)
+        return None if d is None else self.envelope.frame(d)
+
+    def closing(self) -> list[str]:
+        if not self.include_usage:
+            return []
+        return [sse(self.head.model_copy(update={"usage": self.usage()}).model_dump_json())]
