@@ -71,6 +71,31 @@ def test_block_hash_is_chained():
     assert hash_block_tokens(None, [1, 2, 3, 4]) == h1
 
 
+def test_extra_keys_separate_identical_tokens():
+    """A salt (adapter identity) splits every block; an image's hash splits the blocks its
+    placeholder tokens touch and the chain after them, never the blocks before."""
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    _finish_after(kv, make_request("base", 13))
+    salted = make_request("salted", 13)
+    salted.cache_salt = b"adapter-a"
+    assert kv.get_computed_blocks(salted)[1] == 0
+    image = make_request("image", 13)
+    image.mm_spans = [(5, 2, b"img-1")]  # tokens 5..6: the second block
+    assert kv.get_computed_blocks(image)[1] == 4
+    _finish_after(kv, image)
+    same = make_request("same-image", 13)
+    same.mm_spans = [(5, 2, b"img-1")]
+    assert kv.get_computed_blocks(same)[1] == 12
+    other = make_request("other-image", 13)
+    other.mm_spans = [(5, 2, b"img-2")]
+    assert kv.get_computed_blocks(other)[1] == 4
+
+
+def _finish_after(kv: KVCacheManager, req) -> None:
+    kv.allocate_slots(req, req.num_tokens)
+    _finish(kv, req)
+
+
 def _finish(kv: KVCacheManager, req) -> None:
     req.status = RequestStatus.FINISHED_STOPPED
     kv.free(req)

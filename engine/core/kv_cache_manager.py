@@ -93,7 +93,8 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[start : start + bs]))
+            extra = request.block_extra_keys(start, start + bs)
+            hashes.append(hash_block_tokens(parent, tokens[start : start + bs], extra))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list, int]:

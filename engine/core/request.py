@@ -73,6 +73,18 @@ class Request:
         # llguidance.LLMatcher when the output follows a grammar: it has consumed exactly the
         # output tokens so far (the sampler masks and advances it), whatever the KV holds.
         self.grammar = None
+        # Prefix-cache identity beyond the token ids (vLLM's "extra keys"): cache_salt goes into
+        # the first block's hash and so, chained, into every block's (a LoRA adapter's content
+        # identity, a user's salt); mm_spans is (start, length, content hash) per image, hashed
+        # into every block that holds one of the image's placeholder tokens.
+        self.cache_salt: bytes = b""
+        self.mm_spans: list[tuple[int, int, bytes]] = []
+
+    def block_extra_keys(self, start: int, end: int) -> bytes:
+        """Extra hash keys of the block holding token positions [start, end)."""
+        keys = [self.cache_salt] if start == 0 and self.cache_salt else []
+        keys += [h for s, n, h in self.mm_spans if s < end and s + n > start]
+        return b"".join(keys)
 
     @property
     def num_tokens(self) -> int:
