@@ -106,6 +106,16 @@ class AsyncEngine:
         return self.engine.vocab_size
 
     @property
+    def mm_processor(self):
+        """Images in (engine/multimodal/processor.py), or None for a text-only model."""
+        return self.engine.mm_processor
+
+    @property
+    def media_config(self):
+        """The engine config, for its media limits (allowed_media_domains, ...)."""
+        return self.engine.config
+
+    @property
     def generation_defaults(self) -> dict:
         """Sampling defaults from the model's generation_config.json, for unset request fields."""
         return self.engine.generation_defaults
@@ -142,7 +152,11 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def make_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        mm_inputs: list | None = None,
     ) -> Request:
         """The request the engine will run, validated once (LLMEngine.make_request).
 
@@ -152,7 +166,7 @@ class AsyncEngine:
         self.check_health()
         if request_id in self._streams:  # ids come partly from clients (X-Request-Id)
             raise ValueError(f"request id {request_id!r} is already in use")
-        return self.engine.make_request(request_id, prompt_token_ids, params)
+        return self.engine.make_request(request_id, prompt_token_ids, params, mm_inputs)
 
     def check_queue(self, num_new: int = 1) -> None:
         """QueueFullError if num_new more requests would pass --max-num-queued-reqs."""

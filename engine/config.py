@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 
 from engine.spec_decode.ngram import SpeculativeConfig
@@ -47,6 +48,16 @@ class EngineConfig:
     grammar_compile_timeout: float = 10.0  # seconds; a slower grammar is refused (400)
     # n-gram speculative decoding (engine/spec_decode/ngram.py); JSON text or a dict is parsed here
     speculative_config: SpeculativeConfig | None = None
+    # images (engine/multimodal/): hosts http(s) image URLs may come from (None: none; vLLM's
+    # --allowed-media-domains), the folder file:// URLs may read (None: none), per-image byte
+    # and fetch-time limits, images per prompt (vLLM's --limit-mm-per-prompt {"image": N}),
+    # and the bytes of image embeddings the runner keeps by content hash
+    allowed_media_domains: tuple[str, ...] | None = None
+    allowed_local_media_path: str | None = None
+    max_media_bytes: int = 20 * 1024**2
+    media_fetch_timeout: float = 5.0
+    limit_mm_per_prompt: dict | None = None
+    mm_encoder_cache_bytes: int = 256 * 1024**2
 
     def __post_init__(self) -> None:
         """Fills the defaults left unset, then checks every field (the first bad one raises)."""
@@ -59,6 +70,7 @@ class EngineConfig:
         if not self.grammar_compile_timeout > 0:
             raise ValueError("grammar_compile_timeout must be positive")
         self._check_speculative()
+        self._check_media()
 
     def _resolve_defaults(self) -> None:
         if self.block_size is None:  # resolved once here, so every reader sees one number
@@ -109,6 +121,26 @@ class EngineConfig:
                 "speculative_config is not supported with tensor_parallel_size > 1 or "
                 "distributed_executor_backend 'mp' yet"
             )
+
+    def _check_media(self) -> None:
+        for name in ("max_media_bytes", "media_fetch_timeout", "mm_encoder_cache_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        if self.allowed_media_domains is not None:
+            domains = tuple(d.strip().lower() for d in self.allowed_media_domains if d.strip())
+            object.__setattr__(self, "allowed_media_domains", domains)
+        limit = self.limit_mm_per_prompt
+        if isinstance(limit, str):
+            limit = json.loads(limit)
+            object.__setattr__(self, "limit_mm_per_prompt", limit)
+        if limit is not None and not (
+            isinstance(limit.get("image", 0), int) and limit.get("image", 0) >= 0
+        ):
+            raise ValueError('limit_mm_per_prompt must be like {"image": 4}')
+
+    @property
+    def max_images_per_prompt(self) -> int:
+        return (self.limit_mm_per_prompt or {}).get("image", 8)
 
     def _check_parallel(self) -> None:
         n = self.tensor_parallel_size

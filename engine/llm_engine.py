@@ -17,6 +17,7 @@ from engine.distributed import check_tensor_parallel
 from engine.executor.executor import create_executor
 from engine.model_loader.loader import resolve_model
 from engine.model_loader.weight_loader import check_tokenizer
+from engine.multimodal.processor import ImageInputProcessor
 from engine.output.processor import RequestState
 from engine.outputs import (
     CompletionOutput,
@@ -39,19 +40,25 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.model_dir = resolve_model(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        # the text model's config: the config itself, or a vision-language model's text_config
+        self.text_config = self.hf_config.get_text_config()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        check_tokenizer(self.tokenizer, self.hf_config, self.model_dir)
-        self.config = resolve_config(config, self.hf_config)
+        check_tokenizer(self.tokenizer, self.text_config, self.model_dir)
+        self.config = resolve_config(config, self.text_config)
         self.model_name = config.served_model_name or _default_model_name(config.model)
-        check_tensor_parallel(self.hf_config, self.config.tensor_parallel_size)
+        check_tensor_parallel(self.text_config, self.config.tensor_parallel_size)
         self.executor = create_executor(self.config, self.model_dir, self.hf_config)
         self.scheduler = Scheduler(self.config, self.executor.num_blocks, self.executor.kv_windows)
         self.generation_config = read_generation_config(self.model_dir)
-        self.eos_token_ids = declared_eos_ids(self.hf_config, self.generation_config)
+        self.eos_token_ids = declared_eos_ids(self.text_config, self.generation_config)
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None and self.eos_token_ids:
             self.eos_token_id = min(self.eos_token_ids)
         self.generation_defaults = generation_defaults(self.generation_config)
+        # images in (None: a text-only model): engine/multimodal/processor.py
+        self.mm_processor = ImageInputProcessor.build(
+            self.model_dir, self.hf_config, self.tokenizer, self.config.max_images_per_prompt
+        )
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer, self.vocab_size, self.config.grammar_compile_timeout
         )
@@ -95,11 +102,15 @@ class LLMEngine:
 
     @property
     def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return self.text_config.vocab_size
 
     # ---- requests ----------------------------------------------------------------------------
     def make_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        mm_inputs: list | None = None,
     ) -> Request:
         """Builds and validates a request, once, for the server and the offline API alike.
 
@@ -124,6 +135,11 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             eos_token_ids=self.eos_token_ids,
         )
+        if mm_inputs:  # ImageInputs from self.mm_processor.expand
+            if self.mm_processor is None:
+                msg = f"model {self.model_name!r} does not take images; send text only"
+                raise RequestRejectedError(msg, "messages", "model_not_multimodal")
+            req.mm_inputs, req.mm_spans = list(mm_inputs), [i.span for i in mm_inputs]
         self.scheduler.check_fits(req)
         if params.max_tokens is None:
             left = self.config.max_model_len - req.num_prompt_tokens

@@ -79,6 +79,8 @@ class Request:
         # into every block that holds one of the image's placeholder tokens.
         self.cache_salt: bytes = b""
         self.mm_spans: list[tuple[int, int, bytes]] = []
+        # engine.multimodal.inputs.ImageInput per image (its span and pixels): the runner's
+        self.mm_inputs: list = []
 
     def block_extra_keys(self, start: int, end: int) -> bytes:
         """Extra hash keys of the block holding token positions [start, end)."""

@@ -113,7 +113,7 @@ class Worker:
 
             tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
             self.grammars = GrammarCompiler(
-                tokenizer, hf_config.vocab_size, cfg.grammar_compile_timeout
+                tokenizer, hf_config.get_text_config().vocab_size, cfg.grammar_compile_timeout
             )
 
     def info(self) -> dict:

@@ -16,6 +16,7 @@ from engine.layers import check_rope
 from engine.models.gemma2 import Gemma2ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.llava import llava_class
 from engine.models.mistral import MistralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
@@ -32,12 +33,17 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
-SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
+# vision-language architectures: a factory of the class from the text family's
+MULTIMODAL_REGISTRY = {"LlavaForConditionalGeneration": llava_class}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY) + tuple(MULTIMODAL_REGISTRY)
 
 
 def get_model_class(hf_config) -> type[nn.Module]:
     """The class for hf_config's architecture (Llama when the config names none)."""
     archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
+    if archs[0] in MULTIMODAL_REGISTRY:
+        text = hf_config.get_text_config()
+        return MULTIMODAL_REGISTRY[archs[0]](get_model_class(text))
     if archs[0] not in MODEL_REGISTRY:
         names = ", ".join(SUPPORTED_ARCHITECTURES)
         raise ValueError(f"architecture {archs[0]!r} is not supported (supported: {names})")
@@ -48,4 +54,4 @@ def check_model_config(hf_config, max_model_len: int) -> None:
     """Start-up check, before any weight is read: ValueError (one line) for an architecture, a
     rope type or an attention variant this engine does not serve."""
     get_model_class(hf_config).check_config(hf_config, max_model_len)
-    check_rope(hf_config)
+    check_rope(hf_config.get_text_config())

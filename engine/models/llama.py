@@ -144,8 +144,9 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: images merged in (LLaVA)
     ) -> torch.Tensor:  # hidden states [T, hidden]
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary.prepare(positions, meta.max_seq_len, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):

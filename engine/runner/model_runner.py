@@ -21,6 +21,7 @@ from engine.layers import Attention, GroupedAttentionMetadata, select_impls
 from engine.layers.quantization.apply import describe_quantized, mark_quantized
 from engine.model_loader.weight_loader import load_checked
 from engine.models import check_model_config, get_model_class
+from engine.multimodal.embedder import MultiModalEmbedder
 from engine.outputs import ModelRunnerOutput
 from engine.runner.cuda_graphs import DecodeCudaGraphs
 from engine.runner.fused_decode import FusedDecode
@@ -85,6 +86,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device, load_cpu_ops() if self.device.type == "cpu" else None)
         self.rejection_sampler = RejectionSampler(self.sampler)  # drafts: verify
         self._allocate_input_buffers()
+        # images merged into the input embeddings (None: a text-only model)
+        self.mm = MultiModalEmbedder.build(self.model, config.mm_encoder_cache_bytes, self.device)
         self.decode_graphs = self.fused_decode = None
         # Neither the graphs nor the fused decode step know the row-parallel all-reduces,
         # windows or logit caps.
@@ -275,7 +278,10 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows, sample_idx = self.prepare_inputs(out)
         graphs = self.decode_graphs
         fused = self.fused_decode
-        if graphs is not None and graphs.can_run(meta):
+        embeds = self.mm.inputs_embeds(out, input_ids) if self.mm is not None else None
+        if embeds is not None:  # image placeholder tokens in this step: their embeddings
+            hidden = self.model(input_ids, positions, meta, self.kv_caches, inputs_embeds=embeds)
+        elif graphs is not None and graphs.can_run(meta):
             hidden = graphs.run(input_ids, positions, meta)
         elif fused is not None and fused.can_run(meta):
             hidden = fused.run(input_ids, positions, meta, self.kv_caches)

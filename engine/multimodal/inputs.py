@@ -1,0 +1,22 @@
+"""One image of a request as the engine carries it (no torch import: the scheduler's side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """An image's placeholder tokens [start, start + length) in the prompt, the content hash
+    that keys its embedding (encoder cache) and its KV blocks (prefix cache), and its pixels
+    (the model's image processor's output, one image: [3, H, W])."""
+
+    start: int
+    length: int
+    content_hash: bytes
+    pixel_values: object  # torch.Tensor
+
+    @property
+    def span(self) -> tuple[int, int, bytes]:
+        """Request.mm_spans' entry."""
+        return (self.start, self.length, self.content_hash)

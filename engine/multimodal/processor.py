@@ -1,0 +1,98 @@
+"""Images -> pixels with the model's own transformers image processor, then the prompt's image
+placeholders expanded to one token per image embedding row (ImageInput per image).
+
+The chat template sees one `image_token` per image part (in the text, in part order); after
+tokenizing, expand() turns each into num_image_tokens copies and records the span, so the
+scheduler, the prefix cache (Request.mm_spans) and the runner agree on where each image is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+
+from engine.core.request import RequestRejectedError
+from engine.multimodal.inputs import ImageInput
+
+
+class ImageError(ValueError):
+    """A refused image: `param` names the part, as RequestRejectedError does."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def decode_image(data: bytes, param: str):
+    """Pillow image (RGB) from encoded bytes; ImageError naming `param` when it is not one."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise ImageError(f"{param} is not a readable image ({type(e).__name__})", param) from None
+    return image.convert("RGB")
+
+
+class ImageInputProcessor:
+    """The model's image processor, its placeholder token and tokens per image."""
+
+    def __init__(self, model_dir: Path, hf_config, tokenizer, model_cls, max_images: int) -> None:
+        from transformers import AutoImageProcessor
+
+        self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.hf_config, self.model_cls = hf_config, model_cls
+        self.image_token_id = model_cls.image_token_id_of(hf_config)
+        self.image_token = tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self.max_images = max_images
+
+    @classmethod
+    def build(cls, model_dir, hf_config, tokenizer, max_images: int):
+        """None for a text-only model."""
+        from engine.models import get_model_class
+
+        model_cls = get_model_class(hf_config)
+        if not getattr(model_cls, "supports_images", False):
+            return None
+        return cls(Path(model_dir), hf_config, tokenizer, model_cls, max_images)
+
+    def pixels(self, image, param: str):
+        """[3, H, W] float pixels of one Pillow image, as the model's processor makes them."""
+        try:
+            out = self.image_processor(images=[image], return_tensors="pt")
+        except Exception as e:  # noqa: BLE001 - the processor rejects odd images its own way
+            raise ImageError(f"{param}: the image processor refused it ({e})", param) from None
+        return out["pixel_values"][0]
+
+    def expand(self, prompt_ids: list[int], pixels: list, param: str = "messages"):
+        """(prompt ids with each placeholder repeated, one ImageInput per image)."""
+        if len(pixels) > self.max_images:
+            msg = f"{len(pixels)} images in one prompt; this server takes at most {self.max_images}"
+            raise RequestRejectedError(msg, param, "too_many_images")
+        token = self.image_token_id
+        where = [i for i, t in enumerate(prompt_ids) if t == token]
+        if len(where) != len(pixels):
+            msg = (
+                f"the prompt holds {len(where)} image placeholders ({self.image_token!r}) for "
+                f"{len(pixels)} images; do not write {self.image_token!r} in text"
+            )
+            raise RequestRejectedError(msg, param)
+        ids: list[int] = []
+        inputs: list[ImageInput] = []
+        prev = 0
+        for pos, pv in zip(where, pixels):
+            ids += prompt_ids[prev:pos]
+            n = self.model_cls.num_image_tokens(self.hf_config, tuple(pv.shape))
+            inputs.append(ImageInput(len(ids), n, content_hash(pv), pv))
+            ids += [token] * n
+            prev = pos + 1
+        return ids + prompt_ids[prev:], inputs
+
+
+def content_hash(pixel_values) -> bytes:
+    """sha256 of the preprocessed pixels and their shape: what the embedding depends on."""
+    h = hashlib.sha256(repr((tuple(pixel_values.shape), str(pixel_values.dtype))).encode())
+    h.update(pixel_values.contiguous().numpy().tobytes())
+    return h.digest()

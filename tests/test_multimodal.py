@@ -1,0 +1,200 @@
+"""Images in (engine/multimodal/, engine/models/llava.py): a tiny random-weight LLaVA (CLIP tower,
+MLP projector, Llama text side) against transformers' generate on the same weights and pixels,
+the encoder cache, and image-aware prefix caching."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import build_byte_tokenizer, tiny_config
+
+from engine.config import EngineConfig
+from engine.core.request import RequestRejectedError
+from engine.llm_engine import LLMEngine
+from engine.multimodal.encoder_cache import EncoderCache
+from engine.sampling_params import SamplingParams
+
+IMAGE_TOKEN = "<image>"
+MAX_NEW = 8
+
+
+def build_tiny_llava_dir(path, seed: int = 0, tower: str = "clip"):
+    """A random-weight LlavaForConditionalGeneration (float32) with a byte tokenizer that has an
+    <image> special token, and a CLIP (or SigLIP) image processor of 28x28 pixels in 7x7
+    patches: 16 image tokens per image."""
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        SiglipVisionConfig,
+    )
+
+    tok = build_byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4)
+    vision |= dict(image_size=28, patch_size=7)
+    if tower == "clip":
+        vcfg, strategy = CLIPVisionConfig(**vision, projection_dim=32), "default"
+    else:
+        vcfg, strategy = SiglipVisionConfig(**vision), "full"
+    cfg = LlavaConfig(
+        vision_config=vcfg,
+        text_config=LlamaConfig(**tiny_config(tok)),
+        image_token_id=image_id,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-2,
+        vision_feature_select_strategy=strategy,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():  # a visible image signal: larger random tower and projector weights
+        for name, p in model.named_parameters():
+            if "vision_tower" in name or "projector" in name:
+                if p.dim() > 1:
+                    p.normal_(0, 0.3)
+    model.save_pretrained(path)
+    processor = CLIPImageProcessor(
+        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
+    )
+    processor.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    return build_tiny_llava_dir(tmp_path_factory.mktemp("tiny-llava"))
+
+
+def random_image(seed: int, size=(40, 52)):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def hf_llava_greedy(model_dir, ids: list[int], pixels: list[torch.Tensor]) -> list[int]:
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    kw = {"pixel_values": torch.stack(pixels)} if pixels else {}
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=None,
+            **kw,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def make_engine(model_dir, **kw) -> LLMEngine:
+    cfg = dict(model=str(model_dir), dtype="float32", device="cpu", max_model_len=512)
+    return LLMEngine(EngineConfig(**(cfg | kw)))
+
+
+def image_prompt(engine: LLMEngine, text: str, images) -> tuple[list[int], list]:
+    """text with one <image> per image in front, tokenized, expanded: (ids, ImageInputs)."""
+    mm = engine.mm_processor
+    ids = engine.tokenizer.encode(IMAGE_TOKEN * len(images) + text)
+    pixels = [mm.pixels(image, "image") for image in images]
+    return mm.expand(ids, pixels)
+
+
+def generate(engine: LLMEngine, prompts: dict[str, tuple[list[int], list]]) -> dict[str, list]:
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for rid, (ids, inputs) in prompts.items():
+        engine.add(engine.make_request(rid, ids, params, inputs))
+    tokens: dict[str, list] = {rid: [] for rid in prompts}
+    cached: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step()[0]:
+            tokens[out.request_id] += out.outputs[0].token_ids
+            cached[out.request_id] = out.num_cached_tokens
+    engine.last_cached = cached
+    return tokens
+
+
+def test_one_and_two_images_match_transformers(llava_dir):
+    engine = make_engine(llava_dir)
+    one = image_prompt(engine, "what is this?", [random_image(1)])
+    two = image_prompt(engine, "compare them", [random_image(2), random_image(3)])
+    text = (engine.tokenizer.encode("plain text, no image"), [])
+    got = generate(engine, {"one": one, "two": two, "text": text})
+    assert len(one[0]) == 16 + len("what is this?")
+    for rid, (ids, inputs) in {"one": one, "two": two, "text": text}.items():
+        want = hf_llava_greedy(llava_dir, ids, [i.pixel_values for i in inputs])
+        assert got[rid] == want, rid
+    assert engine.runner.mm.num_images_encoded == 3
+
+
+def test_same_image_hits_prefix_and_encoder_cache(llava_dir):
+    engine = make_engine(llava_dir, block_size=4)
+    first = image_prompt(engine, "describe", [random_image(5)])
+    got1 = generate(engine, {"a": first})
+    encoded = engine.runner.mm.num_images_encoded
+    again = image_prompt(engine, "describe", [random_image(5)])
+    got2 = generate(engine, {"b": again})
+    assert got1["a"] == got2["b"]
+    assert engine.last_cached["b"] >= 16  # the image's blocks came from the prefix cache
+    assert engine.runner.mm.num_images_encoded == encoded  # and no second encoder run
+
+
+def test_different_images_same_text_never_share_blocks(llava_dir):
+    engine = make_engine(llava_dir, block_size=4)
+    a = image_prompt(engine, "what colour?", [random_image(7)])
+    b = image_prompt(engine, "what colour?", [random_image(8)])
+    assert a[0] == b[0]  # identical token ids: only the image differs
+    got_a = generate(engine, {"a": a})
+    got_b = generate(engine, {"b": b})
+    assert engine.last_cached["b"] == 0  # the first block holds placeholders of another image
+    assert got_a["a"] == hf_llava_greedy(llava_dir, a[0], [a[1][0].pixel_values])
+    assert got_b["b"] == hf_llava_greedy(llava_dir, b[0], [b[1][0].pixel_values])
+    assert got_a["a"] != got_b["b"]
+
+
+def test_chunked_prefill_splits_an_image_and_matches(llava_dir):
+    engine = make_engine(llava_dir, max_num_batched_tokens=8, block_size=4)
+    prompt = image_prompt(engine, "chunks", [random_image(9)])
+    got = generate(engine, {"c": prompt})
+    assert got["c"] == hf_llava_greedy(llava_dir, prompt[0], [prompt[1][0].pixel_values])
+    assert engine.runner.mm.num_images_encoded == 1  # encoded once, sliced per chunk
+
+
+def test_placeholder_count_and_limits_are_refused(llava_dir):
+    engine = make_engine(llava_dir, limit_mm_per_prompt={"image": 1})
+    mm = engine.mm_processor
+    ids = engine.tokenizer.encode(IMAGE_TOKEN + "x")
+    pixels = mm.pixels(random_image(1), "image")
+    with pytest.raises(RequestRejectedError, match="2 images"):
+        mm.expand(ids, [pixels, pixels])
+    engine2 = make_engine(llava_dir)
+    with pytest.raises(RequestRejectedError, match="placeholders"):
+        engine2.mm_processor.expand(ids + ids, [pixels])
+
+
+def test_text_only_model_refuses_images(tiny_model_dir, llava_dir):
+    engine = make_engine(tiny_model_dir)
+    assert engine.mm_processor is None
+    donor = make_engine(llava_dir)
+    ids, inputs = image_prompt(donor, "x", [random_image(1)])
+    with pytest.raises(RequestRejectedError, match="does not take images"):
+        engine.make_request("r", [5, 6], SamplingParams(max_tokens=2), inputs)
+
+
+def test_encoder_cache_is_lru_bounded_in_bytes():
+    cache = EncoderCache(max_bytes=3 * 64)
+    for i in range(3):
+        cache.put(bytes([i]), torch.zeros(16))  # 64 bytes each
+    assert cache.get(b"\x00") is not None  # 0 becomes most recent
+    cache.put(b"\x03", torch.zeros(16))  # evicts 1, the least recently used
+    assert cache.get(b"\x01") is None and cache.get(b"\x00") is not None
+    assert cache.num_bytes == 3 * 64
+    cache.put(b"big", torch.zeros(100))  # over the bound alone: not kept
+    assert cache.get(b"big") is None and len(cache) == 3
