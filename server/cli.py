@@ -93,6 +93,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     _add_parallel_args(p)
+    _add_multimodal_args(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
@@ -122,6 +123,41 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_multimodal_args(p: argparse.ArgumentParser) -> None:
+    """Images in (vision-language models): where image URLs may come from, and limits."""
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        help="hosts http(s) image URLs may be fetched from (exact names); default: none",
+    )
+    p.add_argument(
+        "--allowed-local-media-path",
+        help="folder file:// image URLs may read from; default: none",
+    )
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        help='JSON, most images per prompt, e.g. \'{"image": 4}\'; default: {"image": 8}',
+    )
+    p.add_argument(
+        "--max-media-bytes",
+        type=int,
+        default=20 * 1024**2,
+        help="largest encoded image accepted, in bytes; default: 20 MiB",
+    )
+    p.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        default=5.0,
+        help="seconds to fetch one image URL; default: 5",
+    )
+    p.add_argument(
+        "--mm-encoder-cache-bytes",
+        type=int,
+        default=256 * 1024**2,
+        help="image embeddings kept by content hash (LRU), in bytes; default: 256 MiB",
+    )
+
+
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     """Executor and multi-host flags (engine/executor/executor.py), named as vLLM's."""
     p.add_argument(
@@ -132,9 +168,7 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--nnodes", type=int, default=1, help="hosts one replica spans")
     p.add_argument("--node-rank", type=int, default=0, help="this host's index, 0 serves HTTP")
-    p.add_argument(
-        "--master-addr", default="127.0.0.1", help="node 0's address for the rendezvous"
-    )
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address for the rendezvous")
     p.add_argument("--master-port", type=int, help="rendezvous port; default a free one")
     p.add_argument(
         "--headless",

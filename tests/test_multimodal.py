@@ -198,3 +198,160 @@ def test_encoder_cache_is_lru_bounded_in_bytes():
     assert cache.num_bytes == 3 * 64
     cache.put(b"big", torch.zeros(100))  # over the bound alone: not kept
     assert cache.get(b"big") is None and len(cache) == 3
+
+
+# ---- through the server: the official openai client, data: and http URLs -----------------------
+def png_bytes(image) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def media_host():
+    """A loopback HTTP server: /a.png, /b.png, /same (redirect to /a.png on the same host),
+    /other (redirect to another host name), /text (not an image)."""
+    import http.server
+    import threading
+
+    files = {"/a.png": png_bytes(random_image(11)), "/b.png": png_bytes(random_image(12))}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            port = self.server.server_address[1]
+            redirects = {"/same": "/a.png", "/other": f"http://localhost:{port}/a.png"}
+            if self.path in redirects:
+                self.send_response(302)
+                self.send_header("Location", redirects[self.path])
+                self.end_headers()
+                return
+            body = files.get(self.path, b"plain text, not an image")
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", files
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llava_server(llava_dir):
+    from conftest import serve_float32
+
+    args = ("--allowed-media-domains", "127.0.0.1", "--limit-mm-per-prompt", '{"image": 2}')
+    yield from serve_float32(llava_dir, "tiny-llava", *args, "--max-media-bytes", "100000")
+
+
+def ask(client, *parts, text: str = "what is this?", **kw):
+    content = [*parts, {"type": "text", "text": text}]
+    return client.chat.completions.create(
+        model="tiny-llava",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=MAX_NEW,
+        temperature=0.0,
+        **kw,
+    )
+
+
+def url_part(url: str, detail: str | None = None) -> dict:
+    return {"type": "image_url", "image_url": {"url": url} | ({"detail": detail} if detail else {})}
+
+
+def data_url(data: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def test_openai_client_data_and_http_urls(llava_server, media_host, llava_dir):
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    base, files = media_host
+    client = OpenAI(base_url=llava_server.url + "/v1", api_key="x")
+    by_data = ask(client, url_part(data_url(files["/a.png"]), "low"))
+    by_http = ask(client, url_part(base + "/a.png", "high"))
+    by_same_host_redirect = ask(client, url_part(base + "/same"))
+    other = ask(client, url_part(base + "/b.png"))
+    text = by_data.choices[0].message.content
+    assert by_http.choices[0].message.content == text
+    assert by_same_host_redirect.choices[0].message.content == text
+    assert other.choices[0].message.content != text  # another image, the same text
+    chat_prompt = "<|im_start|>user\n<image>\nwhat is this?<|im_end|>\n<|im_start|>assistant\n"
+    num_text = len(AutoTokenizer.from_pretrained(llava_dir).encode(chat_prompt)) - 1
+    assert by_data.usage.prompt_tokens == num_text + 16  # one <image> became 16
+    two = ask(client, url_part(base + "/a.png"), url_part(base + "/b.png"))
+    assert two.usage.prompt_tokens == by_data.usage.prompt_tokens + 16 + 1
+
+
+def test_image_refusals_name_the_part(llava_server, media_host):
+    import openai
+
+    base, files = media_host
+    client = openai.OpenAI(base_url=llava_server.url + "/v1", api_key="x", max_retries=0)
+    cases = {
+        "data:image/png;base64,@@not-base64@@": "not valid base64",
+        data_url(b"GIF89a but not really an image"): "not a readable image",
+        data_url(b"\0" * 200_000): "larger than",
+        base + "/text": "not a readable image",
+        base + "/other": "redirects to another host",
+        "http://example.com/cat.png": "not allowed",
+        "file:///etc/passwd": "not allowed",
+        "ftp://127.0.0.1/a.png": "unsupported image URL scheme",
+    }
+    for url, words in cases.items():
+        with pytest.raises(openai.BadRequestError) as err:
+            ask(client, {"type": "text", "text": "look"}, url_part(url))
+        assert words in err.value.message, url
+        assert err.value.body["param"] == "messages[0].content[1].image_url", url
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, *[url_part(base + "/a.png")] * 3)
+    assert "at most 2" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, url_part(base + "/a.png", "huge"))
+    assert err.value.body["param"] == "messages[0].content[0].detail"
+    assert ask(client, url_part(base + "/a.png")).choices[0].finish_reason == "length"
+
+
+def test_responses_input_image(llava_server, media_host):
+    from openai import OpenAI
+
+    base, files = media_host
+    client = OpenAI(base_url=llava_server.url + "/v1", api_key="x")
+    resp = client.responses.create(
+        model="tiny-llava",
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": data_url(files["/a.png"])},
+                    {"type": "input_text", "text": "what is this?"},
+                ],
+            }
+        ],
+        max_output_tokens=MAX_NEW,
+        temperature=0.0,
+    )
+    assert resp.output_text == ask(client, url_part(base + "/a.png")).choices[0].message.content
+
+
+def test_text_only_server_refuses_image_parts(tiny_server):
+    import openai
+
+    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": [url_part(data_url(b"x"))]}],
+            max_tokens=2,
+        )
+    assert "does not take images" in err.value.message
+    assert err.value.body["param"] == "messages[0].content[0].image_url"

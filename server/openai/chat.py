@@ -13,6 +13,12 @@ from dataclasses import dataclass, replace
 from engine.outputs import RequestOutput
 from engine.sampling_params import GrammarSpec, SamplingParamsError
 from server.openai.errors import APIError
+from server.openai.images import (
+    IMAGE_PART_TYPES,
+    collect_image_refs,
+    expand_prompt,
+    load_images,
+)
 from server.openai.logprobs import chat_logprobs
 from server.openai.protocol import (
     ChatChoice,
@@ -45,16 +51,19 @@ from server.tools.plan import ToolCallReader, ToolPlan, plan_tools, template_mes
 _TEXT_PART_TYPES = ("text", "input_text")
 
 
-def _message_dict(m: ChatMessage) -> dict:
-    """Text parts are joined with newlines (like vLLM); other modalities are refused."""
+def _message_dict(m: ChatMessage, image_token: str | None = None) -> dict:
+    """Text parts are joined with newlines (like vLLM), each image part becoming the model's
+    image token (server/openai/images.py); other modalities are refused."""
     content = m.content
     if isinstance(content, list):
-        bad = next((p.type for p in content if p.type not in _TEXT_PART_TYPES), None)
+        accepted = _TEXT_PART_TYPES + (IMAGE_PART_TYPES if image_token else ())
+        bad = next((p.type for p in content if p.type not in accepted), None)
         if bad is not None:
-            accepted = ", ".join(_TEXT_PART_TYPES)
-            msg = f"content part type {bad!r} is not supported; accepted: {accepted}"
+            msg = f"content part type {bad!r} is not supported; accepted: {', '.join(accepted)}"
             raise APIError(400, msg, param="messages")
-        content = "\n".join(p.text or "" for p in content)
+        content = "\n".join(
+            image_token if p.type in IMAGE_PART_TYPES else p.text or "" for p in content
+        )
     extra = {k: v for k, v in (m.model_extra or {}).items() if v is not None}
     return {**extra, "role": m.role, "content": content or ""}
 
@@ -65,6 +74,7 @@ def render_chat_prompt(
     add_generation_prompt: bool,
     add_special_tokens: bool,
     tools: list[dict] | None = None,
+    image_token: str | None = None,
 ) -> list[int]:
     """The model's chat template as text, then tokens (the template carries its own specials).
 
@@ -75,7 +85,7 @@ def render_chat_prompt(
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions")
     try:
-        conversation = template_messages([_message_dict(m) for m in messages])
+        conversation = template_messages([_message_dict(m, image_token) for m in messages])
     except SamplingParamsError as e:
         raise APIError(400, str(e), param=e.param) from e
     try:
@@ -206,11 +216,20 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request
         params, param = replace(params, structured_outputs=plan.grammar), "tools"
     await compile_grammar(ctx, params, param)
     tools = body.tools if plan.functions else None
+    refs = collect_image_refs(body.messages)
+    pixels = await load_images(ctx, refs) if refs else []
+    image_token = ctx.engine.mm_processor.image_token if refs else None
     prompt_ids = render_chat_prompt(
-        ctx.tokenizer, body.messages, body.add_generation_prompt, body.add_special_tokens, tools
-    )
+        ctx.tokenizer, body.messages, body.add_generation_prompt, body.add_special_tokens, tools,
+        image_token,
+    )  # fmt: skip
+    mm_inputs = None
+    if refs:
+        prompt_ids, mm_inputs = expand_prompt(ctx, prompt_ids, pixels)
     # Engine ids stay unique even when a client reuses its X-Request-Id.
     choices = plan_choices(f"{request_id}-{uuid.uuid4().hex[:8]}", [prompt_ids], [params])
+    for c in choices:
+        c.mm_inputs = mm_inputs
     make_requests(ctx, choices, "messages")
     return ChatRun(request_id, prompt_ids, choices, plan)
 

@@ -238,6 +238,10 @@ class TextPart(BaseModel):
 
     type: str
     text: str | None = None
+    # image parts: chat's {"url", "detail"}, Responses' URL string (server/openai/images.py)
+    image_url: dict | str | None = None
+    detail: str | None = None
+    file_id: str | None = None
 
 
 class ChatMessage(BaseModel):

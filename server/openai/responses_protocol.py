@@ -1,8 +1,8 @@
 """The Responses API's shapes (stateless): the request, read as a chat request, and the output.
 
-    input (string | items) + instructions --> chat messages (function_call items become an
-    assistant message's tool_calls, function_call_output items tool messages)
-    text.format --> response_format, tools {type, name, parameters} --> chat tools
+input (string | items) + instructions --> chat messages (function_call items become an
+assistant message's tool_calls, function_call_output items tool messages)
+text.format --> response_format, tools {type, name, parameters} --> chat tools
 """
 
 from __future__ import annotations
@@ -101,7 +101,18 @@ def _item_text(item: dict, i: int) -> str:
         return content
     if not isinstance(content, list):
         raise SamplingParamsError("input", f"input[{i}].content must be a string or parts")
+    if any(isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        return _parts_with_images(content, i)
     return _parts_text(content, i)
+
+
+def _parts_with_images(parts: list, i: int) -> list[dict]:
+    """Chat content parts: the texts, and each input_image as it came (server/openai/images.py
+    reads its image_url, detail or file_id)."""
+    return [
+        p if p.get("type") == "input_image" else {"type": "text", "text": _parts_text([p], i)}
+        for p in parts
+    ]
 
 
 def _parts_text(parts: list, i: int) -> str:

@@ -104,6 +104,7 @@ class ChoiceRequest:
     prompt_ids: list[int]
     params: SamplingParams
     request: Request | None = None  # the engine's, built once by make_requests
+    mm_inputs: list | None = None  # the prompt's images (server/openai/images.py)
 
 
 @dataclass
@@ -145,7 +146,12 @@ def make_requests(ctx: ServingContext, choices: list[ChoiceRequest], prompt_para
     """
     for c in choices:
         try:
-            c.request = ctx.engine.make_request(c.request_id, c.prompt_ids, c.params)
+            if c.mm_inputs:
+                c.request = ctx.engine.make_request(
+                    c.request_id, c.prompt_ids, c.params, c.mm_inputs
+                )
+            else:
+                c.request = ctx.engine.make_request(c.request_id, c.prompt_ids, c.params)
         except Exception as e:  # noqa: BLE001 - mapped to 400 / 503 by engine_error
             err = engine_error(e)
             if err.param == "prompt":
