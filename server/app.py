@@ -95,7 +95,10 @@ def _add_model_routes(app: FastAPI, engine: AsyncEngine, ctx: ServingContext) ->
 
     def model_card() -> ModelCard:
         root = str(engine.model_dir)
-        return ModelCard(id=ctx.model_name, root=root, max_model_len=ctx.max_model_len)
+        card = ModelCard(id=ctx.model_name, root=root, max_model_len=ctx.max_model_len)
+        if getattr(engine, "mm_processor", None) is not None:  # a vision-language model
+            card.input_modalities = ["text", "image"]
+        return card
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -179,6 +179,15 @@ def test_placeholder_count_and_limits_are_refused(llava_dir):
         engine2.mm_processor.expand(ids + ids, [pixels])
 
 
+def test_siglip_tower_matches_transformers(tmp_path):
+    model_dir = build_tiny_llava_dir(tmp_path / "siglip", seed=3, tower="siglip")
+    engine = make_engine(model_dir)
+    prompt = image_prompt(engine, "hello", [random_image(4)])
+    assert len(prompt[0]) == 16 + len("hello")  # "full": no class token to drop
+    got = generate(engine, {"s": prompt})
+    assert got["s"] == hf_llava_greedy(model_dir, prompt[0], [prompt[1][0].pixel_values])
+
+
 def test_text_only_model_refuses_images(tiny_model_dir, llava_dir):
     engine = make_engine(tiny_model_dir)
     assert engine.mm_processor is None
@@ -319,6 +328,15 @@ def test_image_refusals_name_the_part(llava_server, media_host):
         ask(client, url_part(base + "/a.png", "huge"))
     assert err.value.body["param"] == "messages[0].content[0].detail"
     assert ask(client, url_part(base + "/a.png")).choices[0].finish_reason == "length"
+
+
+def test_models_card_says_images(llava_server, tiny_server):
+    import httpx
+
+    card = httpx.get(llava_server.url + "/v1/models").json()["data"][0]
+    assert card["input_modalities"] == ["text", "image"]
+    text_card = httpx.get(tiny_server.url + "/v1/models").json()["data"][0]
+    assert text_card["input_modalities"] == ["text"]
 
 
 def test_responses_input_image(llava_server, media_host):

@@ -445,6 +445,7 @@ class ModelCard(BaseModel):
     owned_by: str = "pagedserve"
     root: str | None = None
     max_model_len: int | None = None
+    input_modalities: list[str] = ["text"]  # ["text", "image"] for a vision-language model
 
 
 class ModelList(BaseModel):
