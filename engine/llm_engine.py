@@ -47,6 +47,12 @@ class LLMEngine:
         self.config = resolve_config(config, self.text_config)
         self.model_name = config.served_model_name or _default_model_name(config.model)
         check_tensor_parallel(self.text_config, self.config.tensor_parallel_size)
+        # images in (None: a text-only model): engine/multimodal/processor.py
+        self.mm_processor = ImageInputProcessor.build(
+            self.model_dir, self.hf_config, self.tokenizer, self.config.max_images_per_prompt
+        )
+        if self.mm_processor is not None and self.config.distributed_executor_backend != "uni":
+            raise ValueError("image models run with tensor_parallel_size 1 (the uni executor) yet")
         self.executor = create_executor(self.config, self.model_dir, self.hf_config)
         self.scheduler = Scheduler(self.config, self.executor.num_blocks, self.executor.kv_windows)
         self.generation_config = read_generation_config(self.model_dir)
@@ -55,10 +61,6 @@ class LLMEngine:
         if self.eos_token_id is None and self.eos_token_ids:
             self.eos_token_id = min(self.eos_token_ids)
         self.generation_defaults = generation_defaults(self.generation_config)
-        # images in (None: a text-only model): engine/multimodal/processor.py
-        self.mm_processor = ImageInputProcessor.build(
-            self.model_dir, self.hf_config, self.tokenizer, self.config.max_images_per_prompt
-        )
         self.grammar_compiler = GrammarCompiler(
             self.tokenizer, self.vocab_size, self.config.grammar_compile_timeout
         )
@@ -303,7 +305,13 @@ class LLMEngine:
             num_cached_free_blocks=pool.get_num_cached_free_blocks(),
             step_time=step_time,
             **_spec_stats(out),
+            **self._mm_stats(),
         )
+
+    def _mm_stats(self) -> dict[str, int]:
+        """The encoder's work this step (images run only in the uni executor's runner)."""
+        mm = getattr(getattr(self.executor, "runner", None), "mm", None)
+        return mm.take_stats() if mm is not None else {}
 
 
 def _spec_stats(out: SchedulerOutput) -> dict:

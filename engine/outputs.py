@@ -103,6 +103,10 @@ class StepStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # tokens looked up this step
     prefix_cache_hits: int = 0  # of which found cached
+    # images this step (engine/multimodal/embedder.py): encoder-cache lookups, hits, encoded
+    mm_cache_queries: int = 0
+    mm_cache_hits: int = 0
+    mm_images_encoded: int = 0
     kv_cache_usage: float = 0.0
     num_total_blocks: int = 0
     num_free_blocks: int = 0

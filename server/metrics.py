@@ -124,7 +124,7 @@ class Metrics:
         self._gauge_values: tuple = (None,) * len(self._gauges)
         self._counters = (
             self.preemptions, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
-            self.prefix_hits,
+            self.prefix_hits, self.mm_queries, self.mm_hits, self.mm_encoded,
         )
 
     # ---- families ----------------------------------------------------------------------------
@@ -159,6 +159,9 @@ class Metrics:
         self.generation_tokens = c("generation_tokens", "Number of generation tokens processed.")
         self.prefix_queries = c("prefix_cache_queries", "Prefix-cache queries, in tokens.")
         self.prefix_hits = c("prefix_cache_hits", "Prefix-cache hits, in tokens.")
+        self.mm_queries = c("mm_cache_queries", "Encoder-cache lookups, in images.")
+        self.mm_hits = c("mm_cache_hits", "Encoder-cache hits, in images.")
+        self.mm_encoded = c("mm_encoder_images", "Images run through the vision encoder.")
         self.request_success = Counter(
             P + "request_success",
             "Count of finished requests by finish reason.",
@@ -226,7 +229,8 @@ class Metrics:
         self._gauge_values = gauges
         counts = (
             s.num_preemptions, s.num_prompt_tokens, s.num_generation_tokens,
-            s.prefix_cache_queries, s.prefix_cache_hits,
+            s.prefix_cache_queries, s.prefix_cache_hits, s.mm_cache_queries, s.mm_cache_hits,
+            s.mm_images_encoded,
         )
         for counter, n in zip(self._counters, counts):
             if n:

@@ -188,6 +188,15 @@ def test_siglip_tower_matches_transformers(tmp_path):
     assert got["s"] == hf_llava_greedy(model_dir, prompt[0], [prompt[1][0].pixel_values])
 
 
+def test_bfloat16_packed_linears_run_the_tower(llava_dir):
+    """bf16 on CPU packs every Linear (2-D GEMMs): the tower and projector run through them and
+    the first tokens still agree with float32 transformers."""
+    engine = make_engine(llava_dir, dtype="bfloat16")
+    prompt = image_prompt(engine, "what is this?", [random_image(1)])
+    got = generate(engine, {"b": prompt})["b"]
+    assert got[:4] == hf_llava_greedy(llava_dir, prompt[0], [prompt[1][0].pixel_values])[:4]
+
+
 def test_text_only_model_refuses_images(tiny_model_dir, llava_dir):
     engine = make_engine(tiny_model_dir)
     assert engine.mm_processor is None
@@ -373,3 +382,16 @@ def test_text_only_server_refuses_image_parts(tiny_server):
         )
     assert "does not take images" in err.value.message
     assert err.value.body["param"] == "messages[0].content[0].image_url"
+
+
+def test_encoder_metrics(llava_server, media_host):
+    """After the tests above: two distinct images (a.png, b.png) were encoded, once each; the
+    two-image request found b in the encoder cache (a's blocks came from the prefix cache)."""
+    import httpx
+    from conftest import metric_value
+
+    text = httpx.get(llava_server.url + "/metrics").text
+    labels = {"model_name": "tiny-llava"}
+    assert metric_value(text, "pagedserve:mm_encoder_images_total", labels) == 2
+    assert metric_value(text, "pagedserve:mm_cache_hits_total", labels) >= 1
+    assert metric_value(text, "pagedserve:mm_cache_queries_total", labels) >= 3

@@ -52,7 +52,8 @@ CASES = [
     (C, {"prompt": "hi", "model": "nope"}, 404, "model"),
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content[0].image_url"),  # a text-only model: "does not take images"
     (CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
     (CHAT, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     (CHAT, {"messages": MSG, "max_tokens": 2000}, 400, "messages"),

@@ -333,6 +333,10 @@ EXPECTED_FAMILIES = {
     "generation_tokens": "counter",
     "prefix_cache_queries": "counter",
     "prefix_cache_hits": "counter",
+    # images (engine/multimodal/embedder.py; zero for a text-only model)
+    "mm_cache_queries": "counter",
+    "mm_cache_hits": "counter",
+    "mm_encoder_images": "counter",
     "request_success": "counter",
     "time_to_first_token_seconds": "histogram",
     "inter_token_latency_seconds": "histogram",

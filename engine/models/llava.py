@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.layers import Linear
-from engine.models.vision_tower import VisionTower, activation, num_patch_tokens
+from engine.models.vision_tower import VisionTower, activation, num_patch_tokens, rows
 
 _RENAMES = (  # checkpoint prefix -> ours; first match wins
     ("model.language_model.", "model."),
@@ -102,7 +102,7 @@ class LlavaMixin:
         states = self.vision_tower.hidden_states(pixel_values, self.feature_layers)
         if self.drop_first:
             states = [s[:, 1:] for s in states]
-        return self.multi_modal_projector(torch.cat(states, dim=-1))
+        return rows(self.multi_modal_projector, torch.cat(states, dim=-1))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

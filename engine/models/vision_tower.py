@@ -26,6 +26,11 @@ _ACTIVATIONS = {
 }
 
 
+def rows(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Linear over [..., in] as one [rows, in] GEMM (the packed CPU linears take 2-D input)."""
+    return linear(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
+
 def activation(name: str):
     if name not in _ACTIVATIONS:
         raise ValueError(f"vision activation {name!r} is not supported ({', '.join(_ACTIVATIONS)})")
@@ -75,11 +80,11 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, P, D], bidirectional
         n, p, _ = x.shape
         q, k, v = (
-            proj(x).view(n, p, self.num_heads, self.head_dim).transpose(1, 2)
+            rows(proj, x).view(n, p, self.num_heads, self.head_dim).transpose(1, 2)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
         out = F.scaled_dot_product_attention(q, k, v, scale=self.scale)  # [N, H, P, Dh]
-        return self.out_proj(out.transpose(1, 2).reshape(n, p, -1))
+        return rows(self.out_proj, out.transpose(1, 2).reshape(n, p, -1))
 
 
 class VisionMLP(nn.Module):
@@ -90,7 +95,7 @@ class VisionMLP(nn.Module):
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        return rows(self.fc2, self.act(rows(self.fc1, x)))
 
 
 class VisionEncoderLayer(nn.Module):

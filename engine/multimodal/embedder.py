@@ -27,6 +27,13 @@ class MultiModalEmbedder:
             return None
         return cls(model, cache_bytes, device)
 
+    def take_stats(self) -> dict[str, int]:
+        """StepStats' image fields since the last call."""
+        now = (self.cache.hits + self.cache.misses, self.cache.hits, self.num_images_encoded)
+        last, self._last_stats = getattr(self, "_last_stats", (0, 0, 0)), now
+        names = ("mm_cache_queries", "mm_cache_hits", "mm_images_encoded")
+        return {name: a - b for name, a, b in zip(names, now, last)}
+
     def inputs_embeds(self, out, input_ids: torch.Tensor) -> torch.Tensor | None:
         """[T, hidden] for the flattened batch, or None when no image token is scheduled."""
         pieces: list[tuple[int, ImageInput, int, int]] = []  # batch row, image, [a, b) of it

@@ -25,6 +25,12 @@ class ImageRef:
     param: str  # the request field that holds it
 
 
+@dataclass(frozen=True)
+class ImagePart:
+    part: object  # protocol.TextPart of an image type
+    param: str  # messages[i].content[j]
+
+
 def image_ref(part, param: str) -> ImageRef:
     """The URL of an image part: chat's {"image_url": {"url", "detail"}} or Responses'
     {"image_url": "..."}; `detail` is accepted (the model's processor fixes the resolution)."""
@@ -42,23 +48,25 @@ def image_ref(part, param: str) -> ImageRef:
     return ImageRef(value, f"{param}.image_url")
 
 
-def collect_image_refs(messages) -> list[ImageRef]:
+def collect_image_refs(messages) -> list[ImagePart]:
     """Every image part of the conversation, in the order the template will place them."""
-    refs = []
+    parts = []
     for i, m in enumerate(messages):
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
                 if part.type in IMAGE_PART_TYPES:
-                    refs.append(image_ref(part, f"messages[{i}].content[{j}]"))
-    return refs
+                    parts.append(ImagePart(part, f"messages[{i}].content[{j}]"))
+    return parts
 
 
-async def load_images(ctx, refs: list[ImageRef]) -> list:
+async def load_images(ctx, parts: list[ImagePart]) -> list:
     """[3, H, W] pixels per image (off the event loop), or a 400 naming the part."""
     mm = getattr(ctx.engine, "mm_processor", None)
     if mm is None:
         msg = f"model {ctx.model_name!r} does not take images (text only); remove the image parts"
-        raise APIError(400, msg, param=refs[0].param, code="model_not_multimodal")
+        param = f"{parts[0].param}.image_url"
+        raise APIError(400, msg, param=param, code="model_not_multimodal")
+    refs = [image_ref(p.part, p.param) for p in parts]
     if len(refs) > mm.max_images:
         msg = f"{len(refs)} images in one request; this server takes at most {mm.max_images}"
         raise APIError(400, msg, param=refs[mm.max_images].param, code="too_many_images")
