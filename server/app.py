@@ -131,7 +131,7 @@ def _add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, ctx: ServingContext
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest):
-        return tokenize(ctx, body)
+        return await tokenize(ctx, body)
 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest):

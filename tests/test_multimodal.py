@@ -167,6 +167,30 @@ def test_chunked_prefill_splits_an_image_and_matches(llava_dir):
     assert engine.runner.mm.num_images_encoded == 1  # encoded once, sliced per chunk
 
 
+def test_preemption_recompute_reads_the_encoder_cache(llava_dir):
+    """Two image requests in a pool too small for both: one is preempted, recomputed, and
+    both still equal transformers; each image was encoded once."""
+    engine = make_engine(llava_dir, block_size=4, num_gpu_blocks_override=13)
+    prompts = {
+        "p": image_prompt(engine, "first", [random_image(21)]),
+        "q": image_prompt(engine, "second", [random_image(22)]),
+    }
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for rid, (ids, inputs) in prompts.items():
+        engine.add(engine.make_request(rid, ids, params, inputs))
+    tokens: dict[str, list] = {rid: [] for rid in prompts}
+    preemptions = 0
+    while engine.has_unfinished_requests():
+        outs, stats = engine.step()
+        preemptions += stats.num_preemptions
+        for out in outs:
+            tokens[out.request_id] += out.outputs[0].token_ids
+    assert preemptions >= 1
+    for rid, (ids, inputs) in prompts.items():
+        assert tokens[rid] == hf_llava_greedy(llava_dir, ids, [inputs[0].pixel_values]), rid
+    assert engine.runner.mm.num_images_encoded == 2
+
+
 def test_placeholder_count_and_limits_are_refused(llava_dir):
     engine = make_engine(llava_dir, limit_mm_per_prompt={"image": 1})
     mm = engine.mm_processor
@@ -337,6 +361,19 @@ def test_image_refusals_name_the_part(llava_server, media_host):
         ask(client, url_part(base + "/a.png", "huge"))
     assert err.value.body["param"] == "messages[0].content[0].detail"
     assert ask(client, url_part(base + "/a.png")).choices[0].finish_reason == "length"
+
+
+def test_tokenize_counts_image_tokens(llava_server, media_host):
+    import httpx
+
+    base, _ = media_host
+    msg = {"role": "user", "content": [url_part(base + "/a.png"), {"type": "text", "text": "hi"}]}
+    body = {"messages": [msg], "return_token_strs": True}
+    got = httpx.post(llava_server.url + "/tokenize", json=body, timeout=30).json()
+    assert got["token_strs"].count("<image>") == 16
+    text_only = {"messages": [{"role": "user", "content": "hi"}]}
+    plain = httpx.post(llava_server.url + "/tokenize", json=text_only, timeout=30).json()
+    assert got["count"] == plain["count"] + 16 + 1  # 16 placeholders and the "\n" after them
 
 
 def test_models_card_says_images(llava_server, tiny_server):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from server.openai.chat import render_chat_prompt
 from server.openai.errors import APIError
+from server.openai.images import collect_image_refs, expand_prompt, load_images
 from server.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -13,15 +14,21 @@ from server.openai.protocol import (
 from server.openai.serving import ServingContext
 
 
-def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
+async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> TokenizeResponse:
     ctx.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
         add_special = bool(body.add_special_tokens)  # the template carries its own specials
+        parts = collect_image_refs(body.messages)  # images count as their placeholder tokens
+        pixels = await load_images(ctx, parts) if parts else []
+        image_token = ctx.engine.mm_processor.image_token if parts else None
         ids = render_chat_prompt(
-            ctx.tokenizer, body.messages, body.add_generation_prompt, add_special
-        )
+            ctx.tokenizer, body.messages, body.add_generation_prompt, add_special, None,
+            image_token,
+        )  # fmt: skip
+        if parts:
+            ids = expand_prompt(ctx, ids, pixels)[0]
     else:
         add_special = body.add_special_tokens is None or body.add_special_tokens
         ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=add_special)
