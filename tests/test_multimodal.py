@@ -432,3 +432,23 @@ def test_encoder_metrics(llava_server, media_host):
     assert metric_value(text, "pagedserve:mm_encoder_images_total", labels) == 2
     assert metric_value(text, "pagedserve:mm_cache_hits_total", labels) >= 1
     assert metric_value(text, "pagedserve:mm_cache_queries_total", labels) >= 3
+
+
+def test_local_files_only_under_the_allowed_path(tmp_path):
+    from engine.multimodal.media import fetch_image_bytes
+    from engine.multimodal.processor import ImageError
+
+    allowed = tmp_path / "media"
+    allowed.mkdir()
+    (allowed / "a.png").write_bytes(png_bytes(random_image(1)))
+    (tmp_path / "secret.png").write_bytes(b"outside")
+    cfg = EngineConfig(device="cpu", allowed_local_media_path=str(allowed), max_media_bytes=10_000)
+    assert fetch_image_bytes(f"file://{allowed}/a.png", cfg, "p").startswith(b"\x89PNG")
+    for url in (f"file://{allowed}/../secret.png", f"file://{tmp_path}/secret.png"):
+        with pytest.raises(ImageError, match="no such file under the allowed media path"):
+            fetch_image_bytes(url, cfg, "p")
+    with pytest.raises(ImageError, match="file URLs are not allowed"):
+        fetch_image_bytes(f"file://{allowed}/a.png", EngineConfig(device="cpu"), "p")
+    (allowed / "big.png").write_bytes(b"\0" * 20_000)
+    with pytest.raises(ImageError, match="larger than 10000 bytes"):
+        fetch_image_bytes(f"file://{allowed}/big.png", cfg, "p")
