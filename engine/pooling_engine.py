@@ -1,0 +1,251 @@
+"""Engine for pooling models (embeddings): `--runner pooling` / `--task embed`.
+
+PoolingEngine (synchronous) reads the checkpoint, owns the tokenizer and a PoolingRunner, and
+turns lists of prompts into vectors in batches under a token budget (shortest first, so a
+padded encoder batch wastes little). AsyncPoolingEngine gives the server the same facade as
+AsyncEngine (model_name, tokenizer, limits, health, shutdown) and one background thread that
+folds every waiting request into the next batch, so concurrent requests share forwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.executor.executor import EngineDeadError
+from engine.model_loader.loader import resolve_model
+from engine.runner.pooling_config import read_pooling_config
+from engine.runner.pooling_runner import PoolingRunner, finish_embedding
+
+logger = logging.getLogger(__name__)
+
+# Per-batch token budget when the user gives none: pooling has no decode to keep fast, so
+# batches are as large as memory comfortably allows (vLLM raises it for pooling models too).
+POOLING_MAX_NUM_BATCHED_TOKENS = 16384
+
+
+class PoolingEngine:
+    runner_type = "pooling"
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.model_dir = resolve_model(config.model)
+        self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.pooling = read_pooling_config(self.model_dir, self.hf_config)
+        self.config = replace(config, max_model_len=self._max_model_len(config))
+        self.model_name = config.served_model_name or (config.model or "").rstrip("/")
+        self.runner = PoolingRunner(self.config, self.model_dir, self.hf_config, self.pooling)
+        self.max_num_batched_tokens = max(config.max_num_batched_tokens, self.max_model_len)
+        self.generation_defaults: dict = {}
+        self.stats = PoolingStats()
+
+    def _max_model_len(self, config: EngineConfig) -> int:
+        """The user's limit, else sentence-transformers' max_seq_length, else the model's."""
+        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 512
+        limit = self.pooling.max_seq_length or model_max
+        if config.max_model_len is None:
+            return min(limit, model_max)
+        if config.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's limit {model_max}"
+            )
+        return config.max_model_len
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def backend_name(self) -> str:
+        return self.runner.backend_name
+
+    def embed(self, prompts: list[list[int]], dimensions: int | None = None) -> list[torch.Tensor]:
+        """One vector per prompt, in order: pooled, truncated to `dimensions`, normalised."""
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        out: list[torch.Tensor | None] = [None] * len(prompts)
+        for batch in self._batches([prompts[i] for i in order], order):
+            start = time.monotonic()
+            pooled = self.runner.pool([prompts[i] for i in batch])
+            for i, vec in zip(batch, pooled):
+                out[i] = finish_embedding(vec, self.pooling.normalize, dimensions)
+            self.stats.add(sum(len(prompts[i]) for i in batch), time.monotonic() - start)
+        return out  # type: ignore[return-value]
+
+    def _batches(self, ordered: list[list[int]], order: list[int]):
+        """Index lists under the token budget (padded length x rows) and max_num_seqs."""
+        batch: list[int] = []
+        for prompt, i in zip(ordered, order):
+            padded = len(prompt) * (len(batch) + 1)  # ascending: this prompt is the longest
+            if batch and (padded > self.max_num_batched_tokens or len(batch) >= self._max_seqs):
+                yield batch
+                batch = []
+            batch.append(i)
+        if batch:
+            yield batch
+
+    @property
+    def _max_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    def shutdown(self) -> None:
+        """Nothing runs in other processes."""
+
+
+@dataclass
+class PoolingStats:
+    """Totals since start (read by the server's metrics)."""
+
+    num_batches: int = 0
+    num_prompt_tokens: int = 0
+    busy_s: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, num_tokens: int, seconds: float) -> None:
+        with self.lock:
+            self.num_batches += 1
+            self.num_prompt_tokens += num_tokens
+            self.busy_s += seconds
+
+
+@dataclass
+class _Job:
+    prompts: list[list[int]]
+    dimensions: int | None
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+class AsyncPoolingEngine:
+    """The server's facade over a PoolingEngine: `await embed(prompts, dimensions)`."""
+
+    runner_type = "pooling"
+    kv_view = None
+
+    def __init__(self, engine: PoolingEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pooling-loop", daemon=True)
+        self.error: BaseException | None = None
+        self.last_progress_time = time.monotonic()
+        self._pending = 0
+
+    # ---- what the server reads ---------------------------------------------------------------
+    model_name = property(lambda self: self.engine.model_name)
+    model_dir = property(lambda self: self.engine.model_dir)
+    max_model_len = property(lambda self: self.engine.max_model_len)
+    vocab_size = property(lambda self: self.engine.vocab_size)
+    tokenizer = property(lambda self: self.engine.tokenizer)
+    generation_defaults = property(lambda self: {})
+    pooling = property(lambda self: self.engine.pooling)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+        self.engine.shutdown()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def check_health(self) -> None:
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+
+    def is_hung(self, stall_timeout: float) -> bool:
+        stalled = time.monotonic() - self.last_progress_time > stall_timeout
+        return self._pending > 0 and stalled
+
+    def fail(self, error: EngineDeadError) -> None:
+        if self.error is None:
+            self.error = error
+        self.fail_requests(error)
+
+    def fail_requests(self, error: EngineDeadError) -> None:
+        while True:
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                _resolve(job, error=error)
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def embed(
+        self, prompts: list[list[int]], dimensions: int | None = None
+    ) -> list[torch.Tensor]:
+        if self.error is not None:
+            raise EngineDeadError(str(self.error))
+        loop = asyncio.get_running_loop()
+        job = _Job(prompts, dimensions, loop, loop.create_future())
+        self._pending += 1
+        self._inbox.put(job)
+        try:
+            return await job.future
+        finally:
+            self._pending -= 1
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                first = self._inbox.get(timeout=1.0)
+            except queue.Empty:
+                self.last_progress_time = time.monotonic()
+                continue
+            jobs = [first] if first is not None else []
+            while True:  # every job waiting now joins this round
+                try:
+                    job = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    jobs.append(job)
+            self._serve(jobs)
+            self.last_progress_time = time.monotonic()
+
+    def _serve(self, jobs: list[_Job]) -> None:
+        """Jobs of one `dimensions` run as one embed call (one set of batches)."""
+        by_dims: dict[int | None, list[_Job]] = {}
+        for job in jobs:
+            by_dims.setdefault(job.dimensions, []).append(job)
+        for dims, group in by_dims.items():
+            try:
+                vecs = self.engine.embed([p for j in group for p in j.prompts], dims)
+            except Exception as e:  # noqa: BLE001 - the request gets it; the loop keeps serving
+                logger.exception("pooling batch failed")
+                for job in group:
+                    _resolve(job, error=e)
+                continue
+            at = 0
+            for job in group:
+                _resolve(job, result=vecs[at : at + len(job.prompts)])
+                at += len(job.prompts)
+
+
+def _resolve(job: _Job, result=None, error: BaseException | None = None) -> None:
+    def settle() -> None:
+        if job.future.done():
+            return
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
+
+    job.loop.call_soon_threadsafe(settle)
