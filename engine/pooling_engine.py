@@ -22,7 +22,11 @@ from transformers import AutoConfig, AutoTokenizer
 from engine.config import EngineConfig
 from engine.executor.executor import EngineDeadError
 from engine.model_loader.loader import resolve_model
-from engine.runner.pooling_config import read_pooling_config
+from engine.runner.pooling_config import (
+    POOLING_TASKS,
+    is_pooling_checkpoint,
+    read_pooling_config,
+)
 from engine.runner.pooling_runner import PoolingRunner, finish_embedding
 
 logger = logging.getLogger(__name__)
@@ -103,6 +107,17 @@ class PoolingEngine:
         """Nothing runs in other processes."""
 
 
+def wants_pooling(model: str | None, runner: str = "auto", task: str = "auto") -> bool:
+    """vLLM's --runner / --task: explicit, or (auto) from the checkpoint: a sentence-
+    transformers folder (modules.json) or an encoder / bare backbone architecture."""
+    if runner != "auto":
+        return runner == "pooling"
+    if task != "auto":
+        return task in POOLING_TASKS
+    model_dir = resolve_model(model)
+    return is_pooling_checkpoint(model_dir, AutoConfig.from_pretrained(model_dir))
+
+
 @dataclass
 class PoolingStats:
     """Totals since start (read by the server's metrics)."""
@@ -150,6 +165,7 @@ class AsyncPoolingEngine:
     tokenizer = property(lambda self: self.engine.tokenizer)
     generation_defaults = property(lambda self: {})
     pooling = property(lambda self: self.engine.pooling)
+    hidden_size = property(lambda self: self.engine.runner.hidden_size)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:

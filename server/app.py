@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -12,6 +12,7 @@ from engine.core.kv_view import KVView
 from server.metrics import Metrics
 from server.openai.chat import create_chat_completion
 from server.openai.completions import create_completion
+from server.openai.embeddings import EmbeddingRequest, create_embedding
 from server.openai.errors import APIError, error_response, install_error_handlers
 from server.openai.protocol import (
     ChatCompletionRequest,
@@ -57,7 +58,11 @@ def build_app(
 
     _add_operational_routes(app, engine, metrics)
     _add_model_routes(app, engine, ctx)
-    _add_generation_routes(app, ctx)
+    if getattr(engine, "runner_type", "generate") == "pooling":
+        _add_refused_generation_routes(app, ctx)
+    else:
+        _add_generation_routes(app, ctx)
+    _add_pooling_routes(app, ctx)
     _add_tokenizer_routes(app, engine, ctx)
 
     install_offline_docs(app)
@@ -121,6 +126,30 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest):
         return await create_response(ctx, body)
+
+
+def _add_pooling_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """/v1/embeddings (a 400 on a generating model)."""
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        return await create_embedding(ctx, body)
+
+
+def _add_refused_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """On a pooling model the generation endpoints answer 400 saying what it serves."""
+
+    async def refuse(request: Request):
+        path = request.url.path
+        raise APIError(
+            400,
+            f"{path} needs a generating model; `{ctx.model_name}` is a pooling model "
+            "(--runner pooling): it serves /v1/embeddings",
+            param="model",
+        )
+
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        app.add_api_route(path, refuse, methods=["POST"])
 
 
 def _add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, ctx: ServingContext) -> None:

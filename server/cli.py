@@ -11,6 +11,7 @@ import sys
 import yaml
 
 from engine.config import QUANTIZATION_METHODS, EngineConfig
+from engine.runner.pooling_config import RUNNERS, TASKS
 from server.tools.registry import TOOL_PARSERS
 
 logger = logging.getLogger("pagedserve")
@@ -93,6 +94,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     _add_parallel_args(p)
+    _add_pooling_args(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
@@ -132,14 +134,29 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--nnodes", type=int, default=1, help="hosts one replica spans")
     p.add_argument("--node-rank", type=int, default=0, help="this host's index, 0 serves HTTP")
-    p.add_argument(
-        "--master-addr", default="127.0.0.1", help="node 0's address for the rendezvous"
-    )
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address for the rendezvous")
     p.add_argument("--master-port", type=int, help="rendezvous port; default a free one")
     p.add_argument(
         "--headless",
         action="store_true",
         help="run only this host's model workers (node rank > 0), no HTTP server",
+    )
+
+
+def _add_pooling_args(p: argparse.ArgumentParser) -> None:
+    """Pooling models (embeddings): engine/pooling_engine.py; names as vLLM's."""
+    p.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="auto",
+        help="generate: text generation; pooling: embeddings (/v1/embeddings); auto: pooling "
+        "for a sentence-transformers folder or an encoder, else generate; default auto",
+    )
+    p.add_argument(
+        "--task",
+        choices=TASKS,
+        default="auto",
+        help="vLLM's older spelling of --runner (embed: pooling); default auto",
     )
 
 
@@ -270,9 +287,12 @@ def build_server(args: argparse.Namespace, state=None):
     state: the ServerState whose draining flag ends the app's long-lived streams."""
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
+    from engine.pooling_engine import wants_pooling
     from server.app import build_app
     from server.metrics import Metrics
 
+    if wants_pooling(args.model, args.runner, args.task):
+        return build_pooling_server(args, state)
     engine = LLMEngine(engine_config(args))
     print(f"pagedserve: attention backend: {engine.executor.backend_name}", flush=True)
     metrics = Metrics(engine.model_name)
@@ -287,6 +307,30 @@ def build_server(args: argparse.Namespace, state=None):
         app.state.is_draining = lambda: state.draining
     async_engine.start()
     return async_engine, app
+
+
+def build_pooling_server(args: argparse.Namespace, state=None):
+    """build_server for a pooling model: (AsyncPoolingEngine, app)."""
+    from dataclasses import replace
+
+    from engine.pooling_engine import (
+        POOLING_MAX_NUM_BATCHED_TOKENS,
+        AsyncPoolingEngine,
+        PoolingEngine,
+    )
+    from server.app import build_app
+    from server.metrics import Metrics
+
+    config = engine_config(args)
+    if args.max_num_batched_tokens is None:
+        config = replace(config, max_num_batched_tokens=POOLING_MAX_NUM_BATCHED_TOKENS)
+    engine = AsyncPoolingEngine(PoolingEngine(config))
+    print(f"pagedserve: pooling runner: {engine.engine.backend_name}", flush=True)
+    app = build_app(engine, Metrics(engine.model_name), None, None)
+    if state is not None:
+        app.state.is_draining = lambda: state.draining
+    engine.start()
+    return engine, app
 
 
 def run_headless(args: argparse.Namespace) -> int:

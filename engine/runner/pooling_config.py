@@ -12,6 +12,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner
+TASKS = ("auto", "generate", "embed", "embedding")  # vLLM's older --task spellings served here
+POOLING_TASKS = ("embed", "embedding")
 # Encoder-only architectures: served by the pooling runner whatever --runner says.
 ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForSequenceClassification")
 POOLING_TYPES = ("CLS", "MEAN", "LAST", "MAX")
