@@ -24,6 +24,7 @@ from engine.executor.executor import EngineDeadError
 from engine.model_loader.loader import resolve_model
 from engine.runner.pooling_config import (
     POOLING_TASKS,
+    is_cross_encoder,
     is_pooling_checkpoint,
     read_pooling_config,
 )
@@ -87,6 +88,22 @@ class PoolingEngine:
             self.stats.add(sum(len(prompts[i]) for i in batch), time.monotonic() - start)
         return out  # type: ignore[return-value]
 
+    def score(self, prompts: list[list[int]], token_types: list[list[int]]) -> list[float]:
+        """A cross-encoder's relevance score per (query, document) prompt, in order."""
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        out: list[float] = [0.0] * len(prompts)
+        for batch in self._batches([prompts[i] for i in order], order):
+            start = time.monotonic()
+            scores = self.runner.score([prompts[i] for i in batch], [token_types[i] for i in batch])
+            for i, value in zip(batch, scores):
+                out[i] = value
+            self.stats.add(sum(len(prompts[i]) for i in batch), time.monotonic() - start)
+        return out
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        return is_cross_encoder(self.hf_config)
+
     def _batches(self, ordered: list[list[int]], order: list[int]):
         """Index lists under the token budget (padded length x rows) and max_num_seqs."""
         batch: list[int] = []
@@ -140,6 +157,7 @@ class _Job:
     dimensions: int | None
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    token_types: list[list[int]] | None = None  # set: a cross-encoder score job
 
 
 class AsyncPoolingEngine:
@@ -166,6 +184,7 @@ class AsyncPoolingEngine:
     generation_defaults = property(lambda self: {})
     pooling = property(lambda self: self.engine.pooling)
     hidden_size = property(lambda self: self.engine.runner.hidden_size)
+    is_cross_encoder = property(lambda self: self.engine.is_cross_encoder)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -207,10 +226,17 @@ class AsyncPoolingEngine:
     async def embed(
         self, prompts: list[list[int]], dimensions: int | None = None
     ) -> list[torch.Tensor]:
+        return await self._submit(prompts, dimensions, None)
+
+    async def score(self, prompts: list[list[int]], token_types: list[list[int]]) -> list[float]:
+        """Cross-encoder scores of (query, document) prompts with their token type ids."""
+        return await self._submit(prompts, None, token_types)
+
+    async def _submit(self, prompts, dimensions, token_types):
         if self.error is not None:
             raise EngineDeadError(str(self.error))
         loop = asyncio.get_running_loop()
-        job = _Job(prompts, dimensions, loop, loop.create_future())
+        job = _Job(prompts, dimensions, loop, loop.create_future(), token_types)
         self._pending += 1
         self._inbox.put(job)
         try:
@@ -237,13 +263,17 @@ class AsyncPoolingEngine:
             self.last_progress_time = time.monotonic()
 
     def _serve(self, jobs: list[_Job]) -> None:
-        """Jobs of one `dimensions` run as one embed call (one set of batches)."""
-        by_dims: dict[int | None, list[_Job]] = {}
+        """Jobs of one kind (embed with one `dimensions`, or score) run as one call."""
+        by_kind: dict[tuple, list[_Job]] = {}
         for job in jobs:
-            by_dims.setdefault(job.dimensions, []).append(job)
-        for dims, group in by_dims.items():
+            by_kind.setdefault((job.token_types is None, job.dimensions), []).append(job)
+        for (embed, dims), group in by_kind.items():
+            prompts = [p for j in group for p in j.prompts]
             try:
-                vecs = self.engine.embed([p for j in group for p in j.prompts], dims)
+                if embed:
+                    vecs = self.engine.embed(prompts, dims)
+                else:
+                    vecs = self.engine.score(prompts, [t for j in group for t in j.token_types])
             except Exception as e:  # noqa: BLE001 - the request gets it; the loop keeps serving
                 logger.exception("pooling batch failed")
                 for job in group:

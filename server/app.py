@@ -24,6 +24,7 @@ from server.openai.protocol import (
 )
 from server.openai.responses import create_response
 from server.openai.responses_protocol import ResponsesRequest
+from server.openai.score import RerankRequest, ScoreRequest, create_rerank, create_score
 from server.openai.serving import ServingContext
 from server.openai.tokenization import detokenize, tokenize
 from server.openai.tokenizer_info import tokenizer_info
@@ -129,11 +130,22 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 
 def _add_pooling_routes(app: FastAPI, ctx: ServingContext) -> None:
-    """/v1/embeddings (a 400 on a generating model)."""
+    """/v1/embeddings, /v1/score and /v1/rerank (400s on a generating model)."""
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):
         return await create_embedding(ctx, body)
+
+    async def score(body: ScoreRequest):
+        return await create_score(ctx, body)
+
+    async def rerank(body: RerankRequest):
+        return await create_rerank(ctx, body)
+
+    for path in ("/v1/score", "/score"):
+        app.add_api_route(path, score, methods=["POST"])
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"])
 
 
 def _add_refused_generation_routes(app: FastAPI, ctx: ServingContext) -> None:

@@ -111,11 +111,14 @@ class BertModel(nn.Module):
         self.embeddings = BertEmbeddings(cfg)
         self.encoder = BertEncoder(cfg)
 
-    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, lengths: torch.Tensor, token_type_ids=None
+    ) -> torch.Tensor:
         length = input_ids.shape[1]
         keep = torch.arange(length, device=input_ids.device)[None] < lengths[:, None]  # [B, L]
         mask = keep[:, None, None, :]  # [B, 1, 1, L]: which keys each query may see
-        x = self.embeddings(input_ids, torch.zeros_like(input_ids))
+        types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        x = self.embeddings(input_ids, types)
         for layer in self.encoder.layer:
             x = layer(x, mask)
         return x
@@ -129,5 +132,38 @@ class BertModel(nn.Module):
             if not k.startswith(("pooler.", "cls.", "classifier."))
             and k != "embeddings.position_ids"
         }
+        result = self.load_state_dict(state, strict=False)
+        return list(result.missing_keys), list(result.unexpected_keys)
+
+
+class BertPooler(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, cls: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(cls))
+
+
+class BertForSequenceClassification(nn.Module):
+    """Cross-encoder (reranker): [CLS] a [SEP] b [SEP] -> pooler -> classifier logits."""
+
+    is_encoder = True
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.config = cfg
+        self.bert = BertModel(cfg)
+        self.bert.pooler = BertPooler(cfg)
+        self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels)
+
+    def forward(self, input_ids, lengths, token_type_ids=None) -> torch.Tensor:
+        return self.bert(input_ids, lengths, token_type_ids)
+
+    def classify(self, cls_hidden: torch.Tensor) -> torch.Tensor:  # [B, hidden] -> [B, labels]
+        return self.classifier(self.bert.pooler(cls_hidden))
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        state = {k: v for k, v in state.items() if k != "bert.embeddings.position_ids"}
         result = self.load_state_dict(state, strict=False)
         return list(result.missing_keys), list(result.unexpected_keys)

@@ -45,6 +45,12 @@ def is_pooling_checkpoint(model_dir: Path, hf_config) -> bool:
     )
 
 
+def is_cross_encoder(hf_config) -> bool:
+    """A reranker: scores (query, document) pairs with one logit instead of embedding."""
+    arch = (getattr(hf_config, "architectures", None) or [""])[0]
+    return arch.endswith("ForSequenceClassification")
+
+
 def is_encoder(hf_config) -> bool:
     arch = (getattr(hf_config, "architectures", None) or [""])[0]
     return arch in ENCODER_ARCHITECTURES or getattr(hf_config, "model_type", "") == "bert"

@@ -21,9 +21,9 @@ from engine.dtype import resolve_dtype
 from engine.layers import select_impls
 from engine.model_loader.weight_loader import read_weights
 from engine.models import MODEL_REGISTRY, check_model_config, get_model_class
-from engine.models.bert import BertModel
+from engine.models.bert import BertForSequenceClassification, BertModel
 from engine.runner.model_runner import resolve_device
-from engine.runner.pooling_config import PoolingConfig, is_encoder
+from engine.runner.pooling_config import PoolingConfig, is_cross_encoder, is_encoder
 from pagedserve_kernels import AttentionMetadata, get_attention_backend
 from pagedserve_kernels.cpu_ops import load_cpu_ops
 
@@ -42,7 +42,8 @@ class PoolingRunner:
         torch.manual_seed(config.seed)
         if self.encoder:
             self.backend_name = "torch sdpa (bidirectional)"
-            model: nn.Module = BertModel(hf_config)
+            cls = BertForSequenceClassification if is_cross_encoder(hf_config) else BertModel
+            model: nn.Module = cls(hf_config)
         else:
             hf_config.architectures = [decoder_architecture(hf_config)]
             check_model_config(hf_config, config.max_model_len)
@@ -74,13 +75,25 @@ class PoolingRunner:
             rows = list(torch.split(flat, [len(p) for p in prompts]))
         return [pool_rows(r, self.pooling.pooling_type).float().cpu() for r in rows]
 
-    def _run_encoder(self, prompts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+    @torch.inference_mode()
+    def score(self, prompts: list[list[int]], token_types: list[list[int]]) -> list[float]:
+        """A cross-encoder's relevance per (pair) prompt: sigmoid of its one logit, as
+        sentence-transformers' CrossEncoder scores."""
+        hidden, _ = self._run_encoder(prompts, token_types)
+        logits = self.model.classify(hidden[:, 0]).float()
+        return torch.sigmoid(logits[:, 0]).cpu().tolist()
+
+    def _run_encoder(self, prompts, token_types=None) -> tuple[torch.Tensor, list[int]]:
         lengths = [len(p) for p in prompts]
         ids = torch.zeros((len(prompts), max(lengths)), dtype=torch.long)
+        types = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
+            if token_types is not None:
+                types[i, : len(p)] = torch.tensor(token_types[i])
         lens = torch.tensor(lengths, device=self.device)
-        return self.model(ids.to(self.device), lens), lengths
+        dev = self.device
+        return self.model(ids.to(dev), lens, types.to(dev)), lengths
 
     def _run_decoder(self, prompts: list[list[int]]) -> torch.Tensor:
         """The flattened batch over a scratch KV cache: each prompt's blocks are contiguous."""

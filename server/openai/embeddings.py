@@ -49,6 +49,9 @@ def check_pooling(ctx: ServingContext, endpoint: str) -> None:
 async def create_embedding(ctx: ServingContext, body: EmbeddingRequest) -> JSONResponse:
     ctx.check_model(body.model)
     check_pooling(ctx, "/v1/embeddings")
+    if ctx.engine.is_cross_encoder:
+        msg = f"`{ctx.model_name}` is a cross-encoder: it scores pairs (/v1/score, /v1/rerank)"
+        raise APIError(400, msg, param="model")
     check_dimensions(ctx, body.dimensions)
     prompts = tokenize_inputs(ctx, body)
     vecs = await ctx.engine.embed(prompts, body.dimensions)
