@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -22,6 +23,7 @@ from transformers import AutoConfig, AutoTokenizer
 from engine.config import EngineConfig
 from engine.executor.executor import EngineDeadError
 from engine.model_loader.loader import resolve_model
+from engine.outputs import RequestMetrics, StepStats
 from engine.runner.pooling_config import (
     POOLING_TASKS,
     is_cross_encoder,
@@ -158,6 +160,7 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     token_types: list[list[int]] | None = None  # set: a cross-encoder score job
+    arrival_time: float = field(default_factory=time.monotonic)
 
 
 class AsyncPoolingEngine:
@@ -166,8 +169,9 @@ class AsyncPoolingEngine:
     runner_type = "pooling"
     kv_view = None
 
-    def __init__(self, engine: PoolingEngine) -> None:
+    def __init__(self, engine: PoolingEngine, on_stats: Callable[[StepStats], None] | None = None):
         self.engine = engine
+        self.on_stats = on_stats  # the server's metrics: one StepStats per served round
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pooling-loop", daemon=True)
@@ -268,6 +272,7 @@ class AsyncPoolingEngine:
         for job in jobs:
             by_kind.setdefault((job.token_types is None, job.dimensions), []).append(job)
         for (embed, dims), group in by_kind.items():
+            started = time.monotonic()
             prompts = [p for j in group for p in j.prompts]
             try:
                 if embed:
@@ -283,6 +288,28 @@ class AsyncPoolingEngine:
             for job in group:
                 _resolve(job, result=vecs[at : at + len(job.prompts)])
                 at += len(job.prompts)
+            self._report(group, started)
+
+    def _report(self, group: list[_Job], started: float) -> None:
+        """Prompt tokens and one finished request per job, for /metrics (vLLM's names)."""
+        if self.on_stats is None:
+            return
+        now = time.monotonic()
+        done = [
+            RequestMetrics(j.arrival_time, started, None, now, sum(map(len, j.prompts)), 0, 0)
+            for j in group
+        ]
+        tokens = sum(m.num_prompt_tokens for m in done)
+        self.on_stats(
+            StepStats(
+                num_running=len(group),
+                num_scheduled_tokens=tokens,
+                num_prompt_tokens=tokens,
+                step_time=now - started,
+                finished=done,
+                finished_reasons=["stop"] * len(done),
+            )
+        )
 
 
 def _resolve(job: _Job, result=None, error: BaseException | None = None) -> None:

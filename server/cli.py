@@ -324,9 +324,13 @@ def build_pooling_server(args: argparse.Namespace, state=None):
     config = engine_config(args)
     if args.max_num_batched_tokens is None:
         config = replace(config, max_num_batched_tokens=POOLING_MAX_NUM_BATCHED_TOKENS)
-    engine = AsyncPoolingEngine(PoolingEngine(config))
-    print(f"pagedserve: pooling runner: {engine.engine.backend_name}", flush=True)
-    app = build_app(engine, Metrics(engine.model_name), None, None)
+    pooling = PoolingEngine(config)
+    metrics = Metrics(pooling.model_name, pooling.max_model_len)
+    if state is not None:
+        metrics.watch_connections(state.connections)
+    engine = AsyncPoolingEngine(pooling, metrics.observe)
+    print(f"pagedserve: pooling runner: {pooling.backend_name}", flush=True)
+    app = build_app(engine, metrics, None, None)
     if state is not None:
         app.state.is_draining = lambda: state.draining
     engine.start()

@@ -180,3 +180,19 @@ def test_minilm_server_matches_sentence_transformers():
         )
     finally:
         server.stop()
+
+
+def test_metrics_count_embedding_requests(embed_server):
+    from server.metrics import P
+    from tests.conftest import metric_value
+
+    def read(name, **labels):
+        text = httpx.get(embed_server.url + "/metrics").text
+        return metric_value(text, name.replace("vllm:", P), {"model_name": "emb", **labels})
+
+    before = read("vllm:request_success_total", finished_reason="stop")
+    tokens = read("vllm:prompt_tokens_total")
+    httpx.post(embed_server.url + "/v1/embeddings", json={"input": ["abc", "de"]})
+    assert read("vllm:request_success_total", finished_reason="stop") == before + 1
+    assert read("vllm:prompt_tokens_total") == tokens + 5
+    assert read("vllm:e2e_request_latency_seconds_count") >= 1
