@@ -43,6 +43,11 @@ class PoolingEngine:
     runner_type = "pooling"
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.tensor_parallel_size > 1 or config.quantization:
+            raise ValueError(
+                "the pooling runner serves one rank with float weights: drop "
+                "--tensor-parallel-size and --quantization for an embedding model"
+            )
         self.model_dir = resolve_model(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)

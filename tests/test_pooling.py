@@ -133,3 +133,36 @@ def test_dimensions_truncate_then_normalize(qwen3_embed_dir):
         assert s.shape == (16,)
         assert abs(s.norm().item() - 1.0) < 1e-5
         assert torch.allclose(s, torch.nn.functional.normalize(f[:16], dim=0), atol=1e-6)
+
+
+def test_runner_choice(tiny_model_dir, qwen3_embed_dir, minilm_dir):
+    from engine.pooling_engine import wants_pooling
+
+    assert not wants_pooling(str(tiny_model_dir))  # a LlamaForCausalLM folder generates
+    assert wants_pooling(str(tiny_model_dir), task="embed")
+    assert wants_pooling(str(tiny_model_dir), runner="pooling")
+    assert wants_pooling(str(qwen3_embed_dir))  # modules.json
+    assert not wants_pooling(str(qwen3_embed_dir), runner="generate")
+    assert wants_pooling("all-MiniLM-L6-v2")  # BertModel
+    assert minilm_dir.is_dir()
+
+
+def test_causal_folder_served_as_embedder_pools_last_token(tiny_model_dir):
+    """--runner pooling on a generating checkpoint (no modules.json): last token, normalised,
+    equal to transformers' final hidden state of the last token."""
+    from transformers import AutoModelForCausalLM
+
+    engine = _engine(tiny_model_dir)
+    assert (engine.pooling.pooling_type, engine.pooling.normalize) == ("LAST", True)
+    ids = _ids(engine, TEXTS[:3])
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for got, p in zip(engine.embed(ids), ids):
+        with torch.no_grad():
+            last = hf(torch.tensor([p]), output_hidden_states=True).hidden_states[-1][0, -1]
+        want = torch.nn.functional.normalize(last, dim=0)
+        assert torch.nn.functional.cosine_similarity(got, want, dim=0).item() >= 0.9999
+
+
+def test_pooling_refuses_tensor_parallel_and_quantization(qwen3_embed_dir):
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        _engine(qwen3_embed_dir, quantization="int8")
