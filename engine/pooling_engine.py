@@ -26,7 +26,6 @@ from engine.model_loader.loader import resolve_model
 from engine.outputs import RequestMetrics, StepStats
 from engine.runner.pooling_config import (
     POOLING_TASKS,
-    is_cross_encoder,
     is_pooling_checkpoint,
     read_pooling_config,
 )
@@ -42,7 +41,7 @@ POOLING_MAX_NUM_BATCHED_TOKENS = 16384
 class PoolingEngine:
     runner_type = "pooling"
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, hf_overrides: dict | None = None) -> None:
         if config.tensor_parallel_size > 1 or config.quantization:
             raise ValueError(
                 "the pooling runner serves one rank with float weights: drop "
@@ -50,11 +49,14 @@ class PoolingEngine:
             )
         self.model_dir = resolve_model(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        for key, value in (hf_overrides or {}).items():  # vLLM's --hf-overrides
+            setattr(self.hf_config, key, value)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.pooling = read_pooling_config(self.model_dir, self.hf_config)
         self.config = replace(config, max_model_len=self._max_model_len(config))
         self.model_name = config.served_model_name or (config.model or "").rstrip("/")
         self.runner = PoolingRunner(self.config, self.model_dir, self.hf_config, self.pooling)
+        self.runner.classifier_token_ids = self._classifier_tokens()
         self.max_num_batched_tokens = max(config.max_num_batched_tokens, self.max_model_len)
         self.generation_defaults: dict = {}
         self.stats = PoolingStats()
@@ -109,7 +111,19 @@ class PoolingEngine:
 
     @property
     def is_cross_encoder(self) -> bool:
-        return is_cross_encoder(self.hf_config)
+        return self.runner.cross_encoder
+
+    def _classifier_tokens(self) -> tuple[int, int] | None:
+        """classifier_from_token ["no", "yes"] as token ids; ValueError unless each is one."""
+        tokens = getattr(self.hf_config, "classifier_from_token", None)
+        if not tokens:
+            return None
+        if len(tokens) != 2:
+            raise ValueError('classifier_from_token must name two tokens, e.g. ["no", "yes"]')
+        ids = [self.tokenizer.convert_tokens_to_ids(t) for t in tokens]
+        if any(i is None or i == self.tokenizer.unk_token_id for i in ids):
+            raise ValueError(f"classifier_from_token {tokens}: not tokens of this vocabulary")
+        return ids[0], ids[1]
 
     def _batches(self, ordered: list[list[int]], order: list[int]):
         """Index lists under the token budget (padded length x rows) and max_num_seqs."""
@@ -131,7 +145,9 @@ class PoolingEngine:
         """Nothing runs in other processes."""
 
 
-def wants_pooling(model: str | None, runner: str = "auto", task: str = "auto") -> bool:
+def wants_pooling(
+    model: str | None, runner: str = "auto", task: str = "auto", hf_overrides: dict | None = None
+) -> bool:
     """vLLM's --runner / --task: explicit, or (auto) from the checkpoint: a sentence-
     transformers folder (modules.json) or an encoder / bare backbone architecture."""
     if runner != "auto":
@@ -139,7 +155,10 @@ def wants_pooling(model: str | None, runner: str = "auto", task: str = "auto") -
     if task != "auto":
         return task in POOLING_TASKS
     model_dir = resolve_model(model)
-    return is_pooling_checkpoint(model_dir, AutoConfig.from_pretrained(model_dir))
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    for key, value in (hf_overrides or {}).items():
+        setattr(hf_config, key, value)
+    return is_pooling_checkpoint(model_dir, hf_config)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import logging
 import os
 import sys
@@ -158,6 +159,13 @@ def _add_pooling_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="vLLM's older spelling of --runner (embed: pooling); default auto",
     )
+    p.add_argument(
+        "--hf-overrides",
+        type=json.loads,
+        help="JSON set on the model's config before loading (pooling runner), e.g. Qwen3-"
+        'Reranker\'s \'{"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"]}\'; default none',
+    )
 
 
 def _add_connection_args(p: argparse.ArgumentParser) -> None:
@@ -291,8 +299,10 @@ def build_server(args: argparse.Namespace, state=None):
     from server.app import build_app
     from server.metrics import Metrics
 
-    if wants_pooling(args.model, args.runner, args.task):
+    if wants_pooling(args.model, args.runner, args.task, args.hf_overrides):
         return build_pooling_server(args, state)
+    if args.hf_overrides:
+        raise ValueError("--hf-overrides is applied by the pooling runner only (so far)")
     engine = LLMEngine(engine_config(args))
     print(f"pagedserve: attention backend: {engine.executor.backend_name}", flush=True)
     metrics = Metrics(engine.model_name)
@@ -324,7 +334,7 @@ def build_pooling_server(args: argparse.Namespace, state=None):
     config = engine_config(args)
     if args.max_num_batched_tokens is None:
         config = replace(config, max_num_batched_tokens=POOLING_MAX_NUM_BATCHED_TOKENS)
-    pooling = PoolingEngine(config)
+    pooling = PoolingEngine(config, args.hf_overrides)
     metrics = Metrics(pooling.model_name, pooling.max_model_len)
     if state is not None:
         metrics.watch_connections(state.connections)

@@ -120,3 +120,68 @@ def test_embedding_model_scores_by_cosine(tmp_path):
         assert np.allclose([got[i] for i in range(len(DOCS))], want, atol=1e-4)
     finally:
         server.stop()
+
+
+def _qwen3_reranker_dir(path: Path) -> Path:
+    """A tiny random Qwen3ForCausalLM: Qwen3-Reranker is a generating checkpoint scored by its
+    LM head's "yes" and "no" rows ("y" and "n": single tokens of the byte tokenizer)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.conftest import build_byte_tokenizer, tiny_config
+
+    tokenizer = build_byte_tokenizer()
+    torch.manual_seed(7)
+    cfg = Qwen3Config(**tiny_config(tokenizer, head_dim=16))
+    Qwen3ForCausalLM(cfg).float().eval().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+RERANKER_OVERRIDES = {
+    "architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["n", "y"],
+    "is_original_qwen3_reranker": True,
+}
+
+
+def test_qwen3_reranker_yes_no_scores(tmp_path):
+    """sigmoid(logit_yes - logit_no) at the pair's last token (= softmax([no, yes])[yes], the
+    model card's score), equal to transformers' on the same weights; alone and batched."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = _qwen3_reranker_dir(tmp_path / "rr")
+    engine = PoolingEngine(EngineConfig(model=str(model_dir), dtype="float32"), RERANKER_OVERRIDES)
+    assert engine.is_cross_encoder
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    no, yes = tok.convert_tokens_to_ids(["n", "y"])
+    prompts = [tok(QUERY + "\n" + d)["input_ids"] for d in DOCS]
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            logits = hf(torch.tensor([p])).logits[0, -1]
+        want.append(torch.softmax(logits[[no, yes]], dim=0)[1].item())
+    got = engine.score(prompts, [[0] * len(p) for p in prompts])
+    assert np.allclose(got, want, atol=1e-5) and np.ptp(want) > 1e-4
+    assert np.allclose([engine.score([p], [[0] * len(p)])[0] for p in prompts], want, atol=1e-5)
+
+
+def test_qwen3_reranker_served_with_hf_overrides(tmp_path):
+    import json
+
+    model_dir = _qwen3_reranker_dir(tmp_path / "rr")
+    engine = PoolingEngine(EngineConfig(model=str(model_dir), dtype="float32"), RERANKER_OVERRIDES)
+    want = engine.score(
+        [engine.tokenizer(QUERY, d)["input_ids"] for d in DOCS],
+        [[0]] * len(DOCS),
+    )
+    args = ("--dtype", "float32", "--hf-overrides", json.dumps(RERANKER_OVERRIDES))
+    server = ServerProcess(str(model_dir), *args).wait_ready()
+    try:
+        resp = httpx.post(server.url + "/v1/rerank", json={"query": QUERY, "documents": DOCS})
+        got = {r["index"]: r["relevance_score"] for r in resp.json()["results"]}
+        assert np.allclose([got[i] for i in range(len(DOCS))], want, atol=1e-5)
+        chat = httpx.post(server.url + "/v1/chat/completions", json={"messages": []})
+        assert chat.status_code == 400
+    finally:
+        server.stop()

@@ -41,7 +41,7 @@ def is_pooling_checkpoint(model_dir: Path, hf_config) -> bool:
     return (
         (Path(model_dir) / "modules.json").is_file()
         or arch in ENCODER_ARCHITECTURES
-        or arch.endswith("Model")
+        or arch.endswith(("Model", "ForSequenceClassification"))
     )
 
 

@@ -39,6 +39,10 @@ class PoolingRunner:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.block_size = config.block_size
         self.encoder = is_encoder(hf_config)
+        self.cross_encoder = is_cross_encoder(hf_config)
+        # vLLM's classifier_from_token (Qwen3-Reranker): the LM head's rows of these tokens,
+        # ("no", "yes"), score a pair by sigmoid(logit_yes - logit_no) at its last token
+        self.classifier_token_ids: tuple[int, int] | None = None
         torch.manual_seed(config.seed)
         if self.encoder:
             self.backend_name = "torch sdpa (bidirectional)"
@@ -52,7 +56,7 @@ class PoolingRunner:
             )
             self.backend_name = backend.name
             model = get_model_class(hf_config)(hf_config, backend)
-        _load(model, model_dir, decoder=not self.encoder)
+        _load(model, model_dir, decoder=not self.encoder, needs_head=self.cross_encoder)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         if not self.encoder:
             select_impls(self.model, load_cpu_ops() if self.device.type == "cpu" else None)
@@ -79,9 +83,20 @@ class PoolingRunner:
     def score(self, prompts: list[list[int]], token_types: list[list[int]]) -> list[float]:
         """A cross-encoder's relevance per (pair) prompt: sigmoid of its one logit, as
         sentence-transformers' CrossEncoder scores."""
+        if not self.encoder:
+            return self._score_decoder(prompts)
         hidden, _ = self._run_encoder(prompts, token_types)
         logits = self.model.classify(hidden[:, 0]).float()
         return torch.sigmoid(logits[:, 0]).cpu().tolist()
+
+    def _score_decoder(self, prompts: list[list[int]]) -> list[float]:
+        if self.classifier_token_ids is None:
+            raise ValueError("a decoder reranker needs classifier_from_token (--hf-overrides)")
+        flat = self._run_decoder(prompts)
+        ends = torch.cumsum(torch.tensor([len(p) for p in prompts]), 0) - 1
+        logits = self.model.compute_logits(flat[ends.to(flat.device)])  # [B, vocab] float32
+        no, yes = self.classifier_token_ids
+        return torch.sigmoid(logits[:, yes] - logits[:, no]).cpu().tolist()
 
     def _run_encoder(self, prompts, token_types=None) -> tuple[torch.Tensor, list[int]]:
         lengths = [len(p) for p in prompts]
@@ -130,8 +145,11 @@ def decoder_architecture(hf_config) -> str:
     """A bare decoder backbone (Qwen3Model, as sentence-transformers saves Qwen3-Embedding)
     runs as its generating class (Qwen3ForCausalLM), whose LM head pooling never uses."""
     arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
-    causal = arch.removesuffix("Model") + "ForCausalLM"
-    return causal if arch.endswith("Model") and causal in MODEL_REGISTRY else arch
+    for suffix in ("Model", "ForSequenceClassification"):
+        causal = arch.removesuffix(suffix) + "ForCausalLM"
+        if arch.endswith(suffix) and causal in MODEL_REGISTRY:
+            return causal
+    return arch
 
 
 def pool_rows(rows: torch.Tensor, pooling_type: str) -> torch.Tensor:
@@ -152,14 +170,14 @@ def finish_embedding(vec: torch.Tensor, normalize: bool, dimensions: int | None)
     return F.normalize(vec, p=2, dim=-1) if normalize else vec
 
 
-def _load(model: nn.Module, model_dir: Path, decoder: bool) -> None:
+def _load(model: nn.Module, model_dir: Path, decoder: bool, needs_head: bool = False) -> None:
     """The checkpoint's tensors into the model; ValueError naming what does not fit. A decoder
     embedder saved as a bare backbone (Qwen3Model: no `model.` prefix, no lm_head) loads too."""
     state, _ = read_weights(model_dir)
     if decoder and not any(k.startswith("model.") for k in state):
         state = {f"model.{k}": v for k, v in state.items()}
     missing, unexpected = model.load_weights(state)
-    if decoder:  # the LM head is never used for pooling
+    if decoder and not needs_head:  # the LM head is not used for embeddings
         missing = [m for m in missing if not m.startswith("lm_head.")]
         unexpected = [u for u in unexpected if not u.startswith(("lm_head.", "score."))]
     if missing or unexpected:
