@@ -47,6 +47,9 @@ class EngineConfig:
     grammar_compile_timeout: float = 10.0  # seconds; a slower grammar is refused (400)
     # n-gram speculative decoding (engine/spec_decode/ngram.py); JSON text or a dict is parsed here
     speculative_config: SpeculativeConfig | None = None
+    # n > 1: the samples of a prompt are forks of one sequence sharing its KV blocks
+    # (copy-on-write, engine/core/forks.py); False: n independent requests (prefix cache only).
+    fork_parallel_samples: bool = True
 
     def __post_init__(self) -> None:
         """Fills the defaults left unset, then checks every field (the first bad one raises)."""

@@ -79,6 +79,9 @@ class Request:
         # into every block that holds one of the image's placeholder tokens.
         self.cache_salt: bytes = b""
         self.mm_spans: list[tuple[int, int, bytes]] = []
+        # n > 1: the sibling (same prompt) this request is forked from once that one has
+        # computed the prompt (engine/core/forks.py); None: an ordinary request.
+        self.fork_parent_id: str | None = None
 
     def block_extra_keys(self, start: int, end: int) -> bytes:
         """Extra hash keys of the block holding token positions [start, end)."""
