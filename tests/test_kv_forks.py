@@ -1,0 +1,89 @@
+"""Copy-on-write forks in the KV cache manager: unit cases, and the scheduler-like property
+driver (tests/kv_driver.py) with forks for one full-attention group, a full and a sliding group,
+and a sliding group alone: no leak, no block freed while readable, no write into a shared block,
+every readable position holds its own prefix's KV, check_integrity after every operation, with
+prefix hits, preemption of one request and of all."""
+
+from __future__ import annotations
+
+from conftest import make_request
+from hypothesis import settings
+from kv_driver import KVCacheDriver
+
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+
+BS = 4
+
+
+def _fork(kv: KVCacheManager, parent, rid: str, num_tokens: int):
+    child = Request(rid, parent.all_token_ids[:num_tokens], parent.sampling_params)
+    kv.fork(parent, child, num_tokens)
+    return child
+
+
+def test_fork_shares_a_partial_last_block_and_copies_on_first_write():
+    kv = KVCacheManager(16, BS)
+    parent = make_request("p", 10)
+    assert kv.allocate_slots(parent, 10) is not None
+    parent.num_computed_tokens = 10
+    child = _fork(kv, parent, "c", 10)
+    shared = kv.req_to_blocks["p"]
+    assert kv.req_to_blocks["c"] == shared and [b.ref_cnt for b in shared] == [2, 2, 2]
+    assert shared[2].block_hash is None  # the partial block: shared, not cached
+    kv.check_integrity()
+    # the child recomputes token 9: a write into the shared partial block copies it first
+    child.num_computed_tokens = 9
+    assert kv.allocate_slots(child, 1) == []
+    (copy,) = kv.take_block_copies()
+    new = kv.req_to_blocks["c"][2]
+    assert copy == (shared[2].block_id, new.block_id) and new.ref_cnt == 1
+    assert shared[2].ref_cnt == 1 and kv.take_replaced_table("c")
+    # the parent is now the only holder of its last block: it writes in place
+    parent.all_token_ids.append(5)
+    assert kv.allocate_slots(parent, 1) == [] and kv.take_block_copies() == []
+    kv.check_integrity()
+    for req in (parent, child):
+        req.status = RequestStatus.FINISHED_STOPPED
+        kv.free(req)
+    kv.check_integrity()
+    assert kv.block_pool.get_num_free_blocks() == 16
+
+
+def test_a_copy_that_does_not_fit_changes_nothing():
+    kv = KVCacheManager(3, BS)
+    parent = make_request("p", 10)
+    assert kv.allocate_slots(parent, 10) is not None
+    parent.num_computed_tokens = 10
+    child = _fork(kv, parent, "c", 10)
+    child.num_computed_tokens = 9
+    assert kv.block_pool.get_num_free_blocks() == 0
+    assert kv.allocate_slots(child, 1) is None  # the copy needs a block the pool lacks
+    assert kv.req_to_blocks["c"] == kv.req_to_blocks["p"] and not kv.pending_copies
+    kv.check_integrity()
+
+
+class ForkMachine(KVCacheDriver):
+    WINDOWS = (0,)
+    NUM_BLOCKS = 8
+    FORKS = True
+
+
+class HybridForkMachine(KVCacheDriver):
+    WINDOWS = (0, 6)
+    NUM_BLOCKS = 14
+    FORKS = True
+
+
+class SlidingForkMachine(KVCacheDriver):
+    WINDOWS = (5,)
+    NUM_BLOCKS = 8
+    FORKS = True
+
+
+_SETTINGS = settings(max_examples=120, stateful_step_count=50, deadline=None)
+for _machine in (ForkMachine, HybridForkMachine, SlidingForkMachine):
+    _machine.TestCase.settings = _SETTINGS
+test_forks_full_attention = ForkMachine.TestCase
+test_forks_full_and_sliding_groups = HybridForkMachine.TestCase
+test_forks_sliding_group_alone = SlidingForkMachine.TestCase
