@@ -6,7 +6,15 @@ prefix hits, preemption of one request and of all."""
 
 from __future__ import annotations
 
-from conftest import make_request
+from dataclasses import replace
+
+from conftest import (
+    assert_scheduler_drained,
+    make_request,
+    make_scheduler,
+    run_fake_step,
+    run_until_done,
+)
 from hypothesis import settings
 from kv_driver import KVCacheDriver
 
@@ -87,3 +95,65 @@ for _machine in (ForkMachine, HybridForkMachine, SlidingForkMachine):
 test_forks_full_attention = ForkMachine.TestCase
 test_forks_full_and_sliding_groups = HybridForkMachine.TestCase
 test_forks_sliding_group_alone = SlidingForkMachine.TestCase
+
+
+# ---- the scheduler's forks (engine/core/forks.py), with a null model runner -----------------
+def _family(sched, n: int, num_tokens: int = 10, max_tokens: int = 4):
+    reqs = [make_request(f"s{i}", num_tokens, max_tokens=max_tokens) for i in range(n)]
+    for req in reqs[1:]:
+        req.fork_parent_id = reqs[0].request_id
+    for req in reqs:
+        sched.add_request(req)
+    return reqs
+
+
+def test_scheduler_forks_after_the_prompt_and_sends_whole_tables_and_copies():
+    sched = make_scheduler(block_size=BS)
+    parent, a, b = _family(sched, 3)
+    out, _ = run_fake_step(sched)
+    assert out.requests == [parent] and len(sched.fork_waiting["s0"]) == 2
+    out, _ = run_fake_step(sched)  # the fork: children recompute token 9 only
+    assert out.requests == [parent, a, b]
+    assert out.num_computed_tokens == [10, 9, 9] and out.num_scheduled_tokens == [1, 1, 1]
+    assert out.block_table_reset == [True, True, True]  # copies replaced entries / new tables
+    kv = sched.kv_cache_manager
+    tables = [tuple(kv.get_block_ids(r.request_id)) for r in (parent, a, b)]
+    assert [tuple(ids) for ids in out.new_block_ids] == tables
+    assert len(out.block_copies) == 2 and tables[0][:2] == tables[1][:2] == tables[2][:2]
+    assert len({t[2] for t in tables}) == 3  # the partial block: one copy each but the last
+    assert sched.num_forks_total == 2
+    run_until_done(sched)
+    assert all(len(r.output_token_ids) == 4 for r in (parent, a, b))
+    assert_scheduler_drained(sched)
+
+
+def test_children_run_independently_when_the_parent_cannot_be_forked():
+    sched = make_scheduler(block_size=BS)
+    parent, a, b = _family(sched, 3, max_tokens=1)  # the parent finishes at its first token
+    run_until_done(sched)
+    assert sched.num_forks_total == 0
+    assert all(r.finish_reason == "length" and len(r.output_token_ids) == 1 for r in (a, b))
+    assert_scheduler_drained(sched)
+
+
+def test_aborting_a_waiting_child_or_the_parent_before_the_fork():
+    sched = make_scheduler(block_size=BS)
+    parent, a, b = _family(sched, 3)
+    sched.finish_requests(["s1"], RequestStatus.FINISHED_ABORTED)
+    assert sched.fork_waiting == {"s0": [b]}
+    run_fake_step(sched)
+    sched.finish_requests(["s0"], RequestStatus.FINISHED_ABORTED)
+    outs = run_until_done(sched)
+    assert outs[0].requests == [b] and outs[0].block_table_reset == [True]  # now independent
+    assert len(b.output_token_ids) == 4 and not sched.fork_waiting
+    assert_scheduler_drained(sched)
+
+
+def test_forks_off_queues_every_sample():
+    sched = make_scheduler(block_size=BS)
+    sched.config = replace(sched.config, fork_parallel_samples=False)
+    _family(sched, 3)
+    assert not sched.fork_waiting and len(sched.waiting) == 3
+    run_until_done(sched)
+    assert sched.num_forks_total == 0
+    assert_scheduler_drained(sched)
