@@ -157,3 +157,17 @@ def test_forks_off_queues_every_sample():
     run_until_done(sched)
     assert sched.num_forks_total == 0
     assert_scheduler_drained(sched)
+
+
+def test_kv_view_follows_copy_on_write_replacements():
+    from engine.core.kv_view import BlockTableCopies, take_snapshot
+
+    sched = make_scheduler(block_size=BS)
+    kv, tables = sched.kv_cache_manager, BlockTableCopies()
+    _family(sched, 3, max_tokens=6)
+    while sched.has_unfinished_requests():
+        run_fake_step(sched)
+        snap = take_snapshot(sched, tables=tables)  # incremental copies, as the playground's
+        for r in snap.requests:
+            assert list(r.block_table) == kv.get_block_ids(r.request_id)
+    assert sched.num_forks_total == 2 and kv.num_cow_copies_total == 2
