@@ -132,3 +132,18 @@ def test_copy_blocks_moves_every_kv_tensor_once_reading_before_writing():
     for t, old in zip((*shared, *other), before):
         assert torch.equal(t[4], old[1]) and torch.equal(t[1], old[4])
         assert torch.equal(t[[0, 2, 3, 5]], old[[0, 2, 3, 5]])
+
+
+def test_forks_with_ngram_speculation_equal_transformers(tiny_model_dir):
+    """Forked samples under n-gram speculation: drafts' slots past the copied block, rejected
+    drafts' blocks given back, the same greedy tokens."""
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # repeats: the n-gram proposer drafts
+    (expected,) = hf_greedy(tiny_model_dir, [prompt], MAX_NEW)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 2}  # fmt: skip
+    llm = _llm(tiny_model_dir, speculative_config=spec)
+    ((a, b, c),) = _samples(llm, [prompt], _greedy(3))
+    assert a == b == c == expected
+    assert llm.engine.scheduler.num_forks_total == 2
+    assert llm.engine.spec_decode_totals.num_drafts > 0
+    _assert_all_free(llm)
