@@ -58,6 +58,9 @@ class EngineConfig:
     media_fetch_timeout: float = 5.0
     limit_mm_per_prompt: dict | None = None
     mm_encoder_cache_bytes: int = 256 * 1024**2
+    # n > 1: the samples of a prompt are forks of one sequence sharing its KV blocks
+    # (copy-on-write, engine/core/forks.py); False: n independent requests (prefix cache only).
+    fork_parallel_samples: bool = True
 
     def __post_init__(self) -> None:
         """Fills the defaults left unset, then checks every field (the first bad one raises)."""

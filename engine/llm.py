@@ -7,6 +7,7 @@ import itertools
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
+from engine.core.forks import sample_params
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -18,6 +19,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
+        self._num_samples: dict[str, int] = {}  # request id -> n, while it runs
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -44,9 +46,20 @@ class LLM:
         return [results[rid] for rid in order]
 
     def _add(self, prompt: Prompt, params: SamplingParams, results: dict) -> str:
+        """One engine request, or params.n of them (ids rid#i) forked from the first."""
         rid = str(next(self._ids))
         ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.engine.add_request(rid, ids, params)
+        if params.n == 1:
+            self.engine.add_request(rid, ids, params)
+        else:
+            reqs = [
+                self.engine.make_request(f"{rid}#{i}", ids, sample_params(params, i))
+                for i in range(params.n)
+            ]
+            for req in reqs:
+                if req is not reqs[0]:
+                    req.fork_parent_id = reqs[0].request_id
+                self.engine.add(req)
         results[rid] = RequestOutput(
             request_id=rid,
             prompt_token_ids=ids,
@@ -54,28 +67,39 @@ class LLM:
             finished=False,
             prompt=prompt if isinstance(prompt, str) else None,
         )
+        self._num_samples[rid] = params.n
         return rid
 
     def _run(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
         bar = tqdm(total=len(results), desc="Processed prompts", disable=not use_tqdm)
+        num_open = {rid: self._num_samples[rid] for rid in results}
         while self.engine.has_unfinished_requests():
             step_outputs, _ = self.engine.step()
             for delta in step_outputs:
-                _merge(results[delta.request_id], delta)
-                if delta.finished:
+                rid, _, index = delta.request_id.partition("#")
+                acc = results[rid]
+                _merge(acc, delta, int(index or 0), num_open[rid])
+                num_open[rid] -= delta.finished
+                acc.finished = not num_open[rid]
+                if acc.finished:
                     bar.update(1)
+        for rid in results:
+            self._num_samples.pop(rid, None)
         bar.close()
 
 
-def _merge(acc: RequestOutput, delta: RequestOutput) -> None:
-    """Folds one step's delta into the accumulated output (text, ids, logprobs)."""
+def _merge(acc: RequestOutput, delta: RequestOutput, index: int = 0, n: int = 1) -> None:
+    """Folds one step's delta of sample `index` into the accumulated output (text, ids,
+    logprobs); the outputs are listed by sample index."""
     d = delta.outputs[0]
-    if not acc.outputs:
-        acc.outputs = [d]
+    out = next((o for o in acc.outputs if o.index == index), None)
+    if out is None:
+        d.index = index
         d.token_ids = list(d.token_ids)
         d.logprobs = list(d.logprobs) if d.logprobs is not None else None
+        acc.outputs.append(d)
+        acc.outputs.sort(key=lambda o: o.index)
     else:
-        out = acc.outputs[0]
         out.text += d.text
         out.token_ids.extend(d.token_ids)
         if d.logprobs is not None:
@@ -83,6 +107,7 @@ def _merge(acc: RequestOutput, delta: RequestOutput) -> None:
         out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
     if delta.prompt_logprobs is not None:
         acc.prompt_logprobs = delta.prompt_logprobs
-    acc.finished = delta.finished
-    acc.num_cached_tokens = delta.num_cached_tokens
+    acc.num_cached_tokens = (
+        delta.num_cached_tokens if n == 1 else max(acc.num_cached_tokens, delta.num_cached_tokens)
+    )
     acc.metrics = delta.metrics or acc.metrics

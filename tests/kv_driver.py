@@ -3,7 +3,12 @@ tests/test_kv_cache_manager.py (one full-attention group) and tests/test_hybrid_
 sliding-window groups): admit with prefix hits, chunked prefill, decode, preempt, finish, abort,
 checking after every operation that the books balance, that a failed allocate_slots changed
 nothing, that every block a layer can still read is held and every block behind its window
-returned, and that a hit returns blocks whose KV was written for exactly the same prefix."""
+returned, and that a hit returns blocks whose KV was written for exactly the same prefix.
+
+With FORKS (tests/test_kv_forks.py) it also forks running requests (copy-on-write, as n > 1
+does): the driver keeps, per block slot, the token prefix whose KV the slot holds, applies the
+manager's block copies, and checks after every operation that every position a request can
+still read holds its own prefix's KV (no write ever landed in a block another request reads)."""
 
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ class KVCacheDriver(RuleBasedStateMachine):
 
     WINDOWS: tuple[int, ...] = (0,)
     NUM_BLOCKS = 6
+    FORKS = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,6 +46,8 @@ class KVCacheDriver(RuleBasedStateMachine):
         self.content: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.num_requests = 0
         self.expected_stats = [0, 0]
+        # block id -> {slot: (group, token prefix whose KV the slot holds)}, with forks only
+        self.slots: dict[int, dict[int, tuple[int, tuple[int, ...]]]] = {}
 
     def _skipped(self, group: int, num_computed: int) -> int:
         window = self.WINDOWS[group]
@@ -128,6 +136,44 @@ class KVCacheDriver(RuleBasedStateMachine):
         req.status = RequestStatus.FINISHED_ABORTED
         self.kv.free(req)
 
+    @precondition(lambda self: self.FORKS and any(r.num_computed_tokens for r in self.running))
+    @rule(data=st.data(), recompute_last=st.booleans())
+    def fork(self, data, recompute_last: bool) -> None:
+        """A child sharing the parent's computed tokens' blocks; it starts at the last computed
+        token (recomputing it, as the scheduler's children do) or after it."""
+        parent = data.draw(st.sampled_from([r for r in self.running if r.num_computed_tokens]))
+        k = parent.num_computed_tokens
+        self.num_requests += 1
+        child = Request(f"r{self.num_requests}", parent.all_token_ids[:k], parent.sampling_params)
+        refs = {
+            b: b.ref_cnt for g in self.kv.groups for b in g.req_to_blocks[parent.request_id] if b
+        }
+        self.kv.fork(parent, child, k)
+        for g in self.kv.groups:  # every shared block gained exactly one holder
+            blocks = g.req_to_blocks[child.request_id]
+            assert blocks == g.req_to_blocks[parent.request_id][: cdiv(k, BS)]
+        gained = Counter(b for g in self.kv.groups for b in g.req_to_blocks[child.request_id])
+        assert all(b.ref_cnt == refs[b] + gained[b] for b in gained if b is not None)
+        start = k - 1 if recompute_last and self._readable(child, k - 1) else k
+        child.num_computed_tokens = start
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        event("fork recomputing the last token" if start < k else "fork")
+
+    def _readable(self, req: Request, pos: int) -> bool:
+        """Whether req holds every block a query at pos reads, in every group."""
+        for g, group in enumerate(self.kv.groups):
+            blocks = group.req_to_blocks[req.request_id]
+            if any(b is None for b in blocks[self._skipped(g, pos) : cdiv(pos + 1, BS)]):
+                return False
+        return True
+
+    @precondition(lambda self: self.FORKS and self.running)
+    @rule()
+    def preempt_all(self) -> None:
+        for req in list(self.running):
+            self._preempt(req)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
@@ -141,23 +187,31 @@ class KVCacheDriver(RuleBasedStateMachine):
         for group in kv.groups:  # what allocate_slots does first (idempotent), to snapshot after
             group.remove_skipped_blocks(rid, req.num_computed_tokens)
         per_group = (hits if len(self.WINDOWS) > 1 else [hits]) if hits else [[]] * len(kv.groups)
-        num_needed = 0
+        num_needed = num_copies = 0
         for group, group_hits in zip(kv.groups, per_group):
             held = len(group.req_to_blocks.get(rid, []))
             num_needed += max(cdiv(start + num_new, BS) - held - len(group_hits), 0)
+            blocks = group.req_to_blocks.get(rid, [])  # shared blocks to be written: copies
+            num_copies += sum(
+                1
+                for b in blocks[start // BS : cdiv(start + num_new, BS)]
+                if b is not None and b.ref_cnt > 1
+            )
         evictable = sum(1 for h in per_group for b in h if b is not None and b.ref_cnt == 0)
         num_available = kv.block_pool.get_num_free_blocks() - evictable
         before = _snapshot(kv)
         new_blocks = kv.allocate_slots(req, num_new, hits, num_hit)
         if new_blocks is None:
             event("allocate_slots failed")
-            assert num_needed > num_available, "allocate_slots failed with room to spare"
+            assert num_needed + num_copies > num_available, "failed with room to spare"
             assert _snapshot(kv) == before, "a failed allocate_slots changed state"
             return False
         assert len(new_blocks) == num_needed
         for b in new_blocks:
             self.content.pop(b.block_id, None)  # reused: its old KV is gone
+            self.slots.pop(b.block_id, None)
         end = start + num_new
+        self._run_copies(req, start, end)
         req.num_computed_tokens = end
         for g, (group, group_hits) in enumerate(zip(kv.groups, per_group)):
             blocks = group.req_to_blocks[rid]
@@ -170,6 +224,37 @@ class KVCacheDriver(RuleBasedStateMachine):
             for i in range(start // BS, end // BS):  # blocks filled this step
                 self.content[blocks[i].block_id] = (g, tuple(req.all_token_ids[: (i + 1) * BS]))
         return True
+
+    def _run_copies(self, req: Request, start: int, end: int) -> None:
+        """What the runner does before the forward pass, then the step's KV writes; no write
+        may land in a block anyone else holds."""
+        for src, dst in self.kv.take_block_copies():
+            event("copy-on-write")
+            self.content.pop(dst, None)
+            if src in self.content:
+                self.content[dst] = self.content[src]
+            self.slots[dst] = dict(self.slots.get(src, {}))
+        for g, group in enumerate(self.kv.groups):
+            blocks = group.req_to_blocks[req.request_id]
+            for pos in range(start, end):
+                block = blocks[pos // BS]
+                assert block.ref_cnt == 1, f"a write into {block}, which is shared"
+                prefix = (g, tuple(req.all_token_ids[: pos + 1]))
+                self.slots.setdefault(block.block_id, {})[pos % BS] = prefix
+
+    @invariant()
+    def readable_kv_is_right(self) -> None:
+        """Every position a running request can still read holds its own prefix's KV."""
+        if not self.FORKS:
+            return
+        for r in self.running:
+            for g, group in enumerate(self.kv.groups):
+                blocks = group.req_to_blocks[r.request_id]
+                first = self._skipped(g, r.num_computed_tokens)
+                for pos in range(first * BS, r.num_computed_tokens):
+                    slots = self.slots.get(blocks[pos // BS].block_id, {})
+                    want = (g, tuple(r.all_token_ids[: pos + 1]))
+                    assert slots.get(pos % BS) == want, f"{r.request_id} reads stale KV at {pos}"
 
     @invariant()
     def books_balance(self) -> None:
@@ -189,7 +274,11 @@ class KVCacheDriver(RuleBasedStateMachine):
                 assert len(ids) == len(blocks)
         for b in kv.block_pool.blocks:
             assert b.ref_cnt == holders[b.block_id]
-            assert b.ref_cnt <= 1 or b.block_hash is not None  # only prefix hits share blocks
+        for r in self.running:  # only prefix hits (hashed) and forks share blocks
+            if r.request_id not in kv.fork_members:
+                for group in kv.groups:
+                    for b in group.req_to_blocks[r.request_id]:
+                        assert b is None or b.ref_cnt <= 1 or b.block_hash is not None
         if any(n > 1 for n in holders.values()):
             event("a block shared by running requests")
         assert len(holders) + kv.block_pool.get_num_free_blocks() == self.NUM_BLOCKS
@@ -207,6 +296,7 @@ class KVCacheDriver(RuleBasedStateMachine):
             assert not group.req_to_blocks and not group.req_to_block_ids
             assert not group.num_cached_blocks
         assert not kv.req_to_block_hashes and not kv._pending_queries
+        assert not kv.cow_requests and not kv.fork_members and not kv.pending_copies
         stats = kv.take_prefix_cache_stats()
         assert [stats.num_queries, stats.num_hits] == self.expected_stats
 

@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from engine.core.block_pool import BlockPool, KVCacheBlock
-from engine.core.kv_cache_groups import KVCacheSpec, make_groups
+from engine.core.kv_cache_groups import KVCacheSpec, KVGroup, make_groups
 from engine.core.kv_cache_groups import cdiv as cdiv  # callers import it from here
 from engine.core.request import Request
 
@@ -66,6 +66,15 @@ class KVCacheManager:
         # Lookups (tokens, hit tokens) counted in the stats only once the request is admitted,
         # so a waiting head that is looked up every step while the pool is short counts once.
         self._pending_queries: dict[str, tuple[int, int]] = {}
+        # Copy-on-write (forks): requests whose next write may land in a block another request
+        # also holds (set by fork, cleared by their next allocate_slots, which copies such
+        # blocks first); the (src, dst) block copies owed before the step's forward pass (the
+        # runner runs them, read before write); requests whose table entries were replaced.
+        self.cow_requests: set[str] = set()
+        self.fork_members: set[str] = set()  # forked (parent or child) and not freed since
+        self.pending_copies: list[tuple[int, int]] = []
+        self.replaced_tables: set[str] = set()
+        self.num_cow_copies_total = 0
 
     @property
     def num_blocks(self) -> int:
@@ -149,8 +158,14 @@ class KVCacheManager:
             1 for hits in hits_per_group for b in hits if b is not None and b.ref_cnt == 0
         )
         pool = self.block_pool
-        if sum(num_new) > pool.get_num_free_blocks() - num_evictable_hits:
+        cow = self._shared_in_write_range(rid, num_computed, num_tokens) if (
+            self.cow_requests and rid in self.cow_requests
+        ) else ()
+        if sum(num_new) + len(cow) > pool.get_num_free_blocks() - num_evictable_hits:
             return None
+        if cow:
+            self._copy_on_write(rid, cow)
+        self.cow_requests.discard(rid)
         self._commit_query(rid)
         # Every group's hits leave the free queue before any new block is taken from it: a new
         # block for one group must never be another group's hit, evicted.
@@ -167,6 +182,73 @@ class KVCacheManager:
             for group in groups:
                 group.cache_blocks(rid, hashes, num_full)
         return new_blocks
+
+    # ---- forks and copy-on-write ---------------------------------------------------------------
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """child (holding nothing) shares every block of parent covering tokens [0, num_tokens),
+        in every group, a partly filled last block included (ref counts up; nothing copied).
+
+        The first write of either into a block the other still holds copies it first
+        (allocate_slots). child's tokens must equal parent's up to num_tokens.
+        """
+        pid, cid = parent.request_id, child.request_id
+        assert cid not in self.req_to_blocks, f"{cid} already holds blocks"
+        num_blocks = cdiv(num_tokens, self.block_size)
+        for group in self.groups:
+            blocks = group.req_to_blocks.get(pid, [])[:num_blocks]
+            assert len(blocks) == num_blocks, f"{pid} holds no KV for {num_tokens} tokens"
+            self.block_pool.touch(b for b in blocks if b is not None)
+            group.req_to_blocks[cid] = list(blocks)
+            group.req_to_block_ids[cid] = list(group.req_to_block_ids[pid][:num_blocks])
+            num_cached = min(group.num_cached_blocks.get(pid, 0), num_tokens // self.block_size)
+            group.num_cached_blocks[cid] = num_cached
+        hashes = self.req_to_block_hashes.get(pid, [])
+        self.req_to_block_hashes[cid] = hashes[: num_tokens // self.block_size]
+        self.cow_requests.update((pid, cid))
+        self.fork_members.update((pid, cid))
+
+    def _shared_in_write_range(
+        self, rid: str, start: int, end: int
+    ) -> list[tuple[KVGroup, int]]:
+        """(group, table index) of every held block another request also holds, among those
+        tokens [start, end) are written into."""
+        bs = self.block_size
+        shared = []
+        for group in self.groups:
+            blocks = group.req_to_blocks.get(rid, ())
+            for i in range(start // bs, min(cdiv(end, bs), len(blocks))):
+                block = blocks[i]
+                if block is not None and block.ref_cnt > 1:
+                    shared.append((group, i))
+        return shared
+
+    def _copy_on_write(self, rid: str, cow: list[tuple[KVGroup, int]]) -> None:
+        """Gives rid a fresh block for each shared one it is about to write into, and records
+        the copy. A copy is unhashed: a full one's content is cached already (by its source),
+        a partial one is cached by cache_blocks once it fills."""
+        pool = self.block_pool
+        fresh = pool.get_new_blocks(len(cow))
+        for (group, i), new in zip(cow, fresh):
+            old = group.req_to_blocks[rid][i]
+            group.req_to_blocks[rid][i] = new
+            group.req_to_block_ids[rid][i] = new.block_id
+            pool.free_blocks([old])  # ref > 1: only a reference goes
+            self.pending_copies.append((old.block_id, new.block_id))
+        self.num_cow_copies_total += len(cow)
+        self.replaced_tables.add(rid)
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The step's (src, dst) copies, for the runner to run before its forward pass."""
+        copies, self.pending_copies = self.pending_copies, []
+        # A dst freed and reused as another copy's dst in the same step: the last copy wins.
+        return list({dst: (src, dst) for src, dst in copies}.values())
+
+    def take_replaced_table(self, request_id: str) -> bool:
+        """Whether request_id's table had entries replaced (copied) since the last call."""
+        if request_id in self.replaced_tables:
+            self.replaced_tables.discard(request_id)
+            return True
+        return False
 
     def _hits_per_group(self, new_computed_blocks: list | None) -> list[list]:
         if not new_computed_blocks:
@@ -197,6 +279,9 @@ class KVCacheManager:
         for group in reversed(self.groups):
             group.free(rid)
         self._pending_queries.pop(rid, None)
+        self.cow_requests.discard(rid)
+        self.fork_members.discard(rid)
+        self.replaced_tables.discard(rid)
         if request.finished:  # a preempted request keeps its hashes: its tokens do not change
             self.req_to_block_hashes.pop(rid, None)
 
@@ -222,7 +307,15 @@ class KVCacheManager:
             assert group.req_to_blocks.keys() == self.req_to_blocks.keys(), "groups disagree"
         for block in self.block_pool.blocks:
             assert block.ref_cnt == holders[block.block_id], f"{block} has the wrong ref count"
-            assert block.ref_cnt <= 1 or block.block_hash is not None, f"{block} shared unhashed"
+        # Only prefix hits (hashed blocks) and forks share blocks.
+        for group in self.groups:
+            for rid, blocks in group.req_to_blocks.items():
+                if rid not in self.fork_members:
+                    for b in blocks:
+                        assert b is None or b.ref_cnt <= 1 or b.block_hash is not None, (
+                            f"{b} shared unhashed outside a fork"
+                        )
+        assert self.cow_requests <= self.fork_members <= self.req_to_blocks.keys()
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()

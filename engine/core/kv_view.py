@@ -112,16 +112,22 @@ class BlockTableCopies:
         blocks: list | None = None,
     ) -> array:
         """A table changes other than by appending only when it is freed (preemption, which
-        counts in num_preemptions, or the end) or, given `blocks` (the group's blocks, None
-        where slid out), where its leading entries slide out; (id, num_preemptions, group)
-        names one history."""
+        counts in num_preemptions, or the end), when a copy-on-write replaces the entry being
+        written (the last one copied), or, given `blocks` (the group's blocks, None where slid
+        out), where its leading entries slide out; (id, num_preemptions, group) names one
+        history."""
         key = (request_id, num_preemptions) if group == 0 else (request_id, num_preemptions, group)
         arr = self._copies.get(key)
         if arr is None:
             arr = self._copies[key] = array("i")
-        changed = len(live) > len(arr)
+        n = len(arr)
+        # A copy-on-write (after a fork) replaces the entry being written: the last one copied.
+        changed = bool(n) and n <= len(live) and arr[n - 1] not in (live[n - 1], SKIPPED_BLOCK_ID)
         if changed:
-            arr.extend(live[len(arr) :])
+            arr[n - 1] = live[n - 1]
+        if len(live) > n:
+            arr.extend(live[n:])
+            changed = True
         if blocks is not None:
             done = end = self._num_skipped.get(key, 0)
             while end < len(blocks) and blocks[end] is None:

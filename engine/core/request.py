@@ -81,6 +81,9 @@ class Request:
         self.mm_spans: list[tuple[int, int, bytes]] = []
         # engine.multimodal.inputs.ImageInput per image (its span and pixels): the runner's
         self.mm_inputs: list = []
+        # n > 1: the sibling (same prompt) this request is forked from once that one has
+        # computed the prompt (engine/core/forks.py); None: an ordinary request.
+        self.fork_parent_id: str | None = None
 
     def block_extra_keys(self, start: int, end: int) -> bytes:
         """Extra hash keys of the block holding token positions [start, end)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core.block_pool import KVCacheBlock
+from engine.core.forks import drop_fork_waiting, fork_ready, hold_for_fork
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestRejectedError, RequestStatus
 from engine.core.request_queue import RequestQueue
@@ -53,6 +54,9 @@ class SchedulerOutput:
     # request's num_scheduled_tokens is 1 + len(drafts)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_stats: SpecDecodeStats | None = None  # filled by update_from_output when drafts ran
+    # (src, dst) KV block copies (copy-on-write after a fork) the runner runs before the
+    # forward pass, all read before any is written; every dst appears once.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -97,11 +101,17 @@ class Scheduler:
             )
         # Requests whose rejected drafts gave blocks back: their next step resends the table.
         self._tables_to_reset: set[str] = set()
+        # Parallel samples (n > 1) wait here, by the id of the sibling that prefills the prompt,
+        # to be forked from it once its prompt is computed (engine/core/forks.py).
+        self.fork_waiting: dict[str, list[Request]] = {}
+        self.num_forks_total = 0
 
     # ---- queue -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queues a request that passed check_fits (LLMEngine.make_request calls it once)."""
         self.requests[request.request_id] = request
+        if request.fork_parent_id is not None and hold_for_fork(self, request):
+            return
         self.waiting.append(request)
 
     def check_fits(self, request: Request) -> None:
@@ -148,15 +158,19 @@ class Scheduler:
         return request.num_prompt_tokens + max_tokens - 1
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.fork_waiting)
 
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = []
+        if self.fork_waiting:
+            fork_ready(self)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:  # a step that preempted has no room to admit anyone
             self._schedule_waiting(out, budget)
+        if self.kv_cache_manager.pending_copies:
+            out.block_copies = self.kv_cache_manager.take_block_copies()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -170,7 +184,8 @@ class Scheduler:
         be cached (15 of 16 decode steps at block_size 16 need neither).
         """
         running, bs, max_model_len = self.running, self.block_size, self.max_model_len
-        get_block_ids = self.kv_cache_manager.get_block_ids
+        kv = self.kv_cache_manager
+        get_block_ids, cow = kv.get_block_ids, kv.cow_requests  # cow: forked, may copy first
         batch, num_scheduled = out.requests, out.num_scheduled_tokens
         num_computed, new_block_ids = out.num_computed_tokens, out.new_block_ids
         resets = out.block_table_reset
@@ -192,15 +207,14 @@ class Scheduler:
                 hybrid
                 or end > len(get_block_ids(req.request_id)) * bs
                 or end // bs != computed // bs
+                or (cow and req.request_id in cow)
             ):
                 granted = self._allocate_running(req, num_new, drafts, out)
                 if granted is None:  # req itself was preempted
                     break
                 num_new, drafts, new_ids = granted
                 end = computed + num_new
-            reset = False
-            if self._tables_to_reset and req.request_id in self._tables_to_reset:
-                new_ids, reset = self._take_table_reset(req), True
+            new_ids, reset = self._table_delta(req, out, new_ids)
             if drafts:
                 out.spec_token_ids[req.request_id] = drafts
             batch.append(req)
@@ -239,10 +253,29 @@ class Scheduler:
             return num_new, drafts, tuple([b.block_id for b in new_blocks])
         return num_new, drafts, _NO_NEW_BLOCKS
 
-    def _take_table_reset(self, req: Request) -> tuple[int, ...]:
-        """The whole block table of a request whose rejected drafts gave blocks back."""
+    def _table_delta(
+        self, req: Request, out: SchedulerOutput, new_ids: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], bool]:
+        """(block ids, reset) for the runner: the whole table (reset) where rejected drafts gave
+        blocks back, the request was just forked, or copies replaced entries of its table."""
+        kv, rid = self.kv_cache_manager, req.request_id
+        if (kv.replaced_tables and kv.take_replaced_table(rid)) or (
+            self._tables_to_reset and rid in self._tables_to_reset
+        ):
+            return self._take_table_reset(req, out), True
+        return new_ids, False
+
+    def _take_table_reset(self, req: Request, out: SchedulerOutput) -> tuple[int, ...]:
+        """The whole block table of a request whose rejected drafts gave blocks back, that was
+        just forked, or whose entries were replaced by copies (with several groups, their
+        whole tables replace the deltas _allocate_running appended)."""
+        kv = self.kv_cache_manager
         self._tables_to_reset.discard(req.request_id)
-        return tuple(self.kv_cache_manager.get_block_ids(req.request_id))
+        if self.is_hybrid:
+            out.group_new_block_ids[-1] = tuple(
+                tuple(kv.get_block_ids(req.request_id, g)) for g in range(1, kv.num_groups)
+            )
+        return tuple(kv.get_block_ids(req.request_id))
 
     def _propose(self, req: Request, budget: int) -> list[int] | None:
         """Draft tokens for a decoding request, capped so that every draft accepted plus the
@@ -447,8 +480,10 @@ class Scheduler:
                 continue
             if req.status is _RUNNING:
                 num_running += 1
-            else:  # waiting or preempted
+            elif req in self.waiting:  # waiting or preempted
                 self.waiting.remove(req)
+            else:  # a parallel sample waiting for its fork
+                drop_fork_waiting(self, req)
             req.status = status
             self._free_finished(req)
             finished.append(req)

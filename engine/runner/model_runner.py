@@ -23,6 +23,7 @@ from engine.model_loader.weight_loader import load_checked
 from engine.models import check_model_config, get_model_class
 from engine.multimodal.embedder import MultiModalEmbedder
 from engine.outputs import ModelRunnerOutput
+from engine.runner.block_copy import copy_blocks
 from engine.runner.cuda_graphs import DecodeCudaGraphs
 from engine.runner.fused_decode import FusedDecode
 from engine.sample.logprobs import compute_prompt_logprobs
@@ -275,6 +276,8 @@ class ModelRunner:
             self.release(request_id)
         if out.is_empty:
             return ModelRunnerOutput(sampled_token_ids=[])
+        if out.block_copies:  # copy-on-write after a fork: before anything writes KV
+            copy_blocks(self.kv_caches, out.block_copies)
         input_ids, positions, meta, logits_rows, sample_idx = self.prepare_inputs(out)
         graphs = self.decode_graphs
         fused = self.fused_decode

@@ -157,10 +157,20 @@ def make_requests(ctx: ServingContext, choices: list[ChoiceRequest], prompt_para
             if err.param == "prompt":
                 err.param = prompt_param
             raise err from e
+    link_forks(choices)
     try:
         ctx.engine.check_queue(len(choices))
     except Exception as e:  # noqa: BLE001
         raise engine_error(e) from e
+
+
+def link_forks(choices: list[ChoiceRequest]) -> None:
+    """n > 1: every choice of a prompt forks from its first (engine/core/forks.py)."""
+    first: dict[int, Request] = {}
+    for c in choices:
+        parent = first.setdefault(c.prompt_idx, c.request)
+        if parent is not c.request:
+            c.request.fork_parent_id = parent.request_id
 
 
 async def merge_outputs(
