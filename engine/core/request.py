@@ -79,7 +79,7 @@ class Request:
         # into every block that holds one of the image's placeholder tokens.
         self.cache_salt: bytes = b""
         self.mm_spans: list[tuple[int, int, bytes]] = []
-        # engine.multimodal.inputs.ImageInput per image (its span and pixels): the runner's
+        # engine.multimodal.inputs.ImageInput per image (its span and pixels), for the runner
         self.mm_inputs: list = []
         # n > 1: the sibling (same prompt) this request is forked from once that one has
         # computed the prompt (engine/core/forks.py); None: an ordinary request.
