@@ -15,6 +15,7 @@ from engine.core.request import Request, RequestRejectedError, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.distributed import check_tensor_parallel
 from engine.executor.executor import create_executor
+from engine.lora.registry import LoRARegistry
 from engine.model_loader.loader import resolve_model
 from engine.model_loader.weight_loader import check_tokenizer
 from engine.output.processor import RequestState
@@ -46,6 +47,11 @@ class LLMEngine:
         check_tensor_parallel(self.hf_config, self.config.tensor_parallel_size)
         self.executor = create_executor(self.config, self.model_dir, self.hf_config)
         self.scheduler = Scheduler(self.config, self.executor.num_blocks, self.executor.kv_windows)
+        self.lora_registry = (  # the served LoRA adapters by name (--lora-modules)
+            LoRARegistry(self.config, self.executor, self.model_name)
+            if self.config.enable_lora
+            else None
+        )
         self.generation_config = read_generation_config(self.model_dir)
         self.eos_token_ids = declared_eos_ids(self.hf_config, self.generation_config)
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -99,7 +105,11 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def make_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_name: str | None = None,
     ) -> Request:
         """Builds and validates a request, once, for the server and the offline API alike.
 
@@ -125,6 +135,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
         self.scheduler.check_fits(req)
+        if lora_name is not None:
+            self._set_lora(req, lora_name)
         if params.max_tokens is None:
             left = self.config.max_model_len - req.num_prompt_tokens
             req.sampling_params = replace(params, max_tokens=left)
@@ -132,10 +144,23 @@ class LLMEngine:
             req.grammar = self.grammar_compiler.compile(params.structured_outputs).new_matcher()
         return req
 
+    def _set_lora(self, req: Request, lora_name: str) -> None:
+        """The request runs under the adapter; its KV is salted with the adapter's content."""
+        lora = self.lora_registry.get(lora_name) if self.lora_registry else None
+        if lora is None:
+            msg = f"The model `{lora_name}` does not exist."
+            raise RequestRejectedError(msg, "model", "model_not_found")
+        req.lora_request = lora
+        req.cache_salt = lora.cache_salt
+
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_name: str | None = None,
     ) -> None:
-        self.add(self.make_request(request_id, prompt_token_ids, params))
+        self.add(self.make_request(request_id, prompt_token_ids, params, lora_name))
 
     def add(self, req: Request) -> None:
         """Queues a request built by make_request (nothing is checked twice)."""

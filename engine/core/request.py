@@ -79,6 +79,8 @@ class Request:
         # into every block that holds one of the image's placeholder tokens.
         self.cache_salt: bytes = b""
         self.mm_spans: list[tuple[int, int, bytes]] = []
+        # the LoRA adapter this request runs under (engine/lora LoRARequest), None: the base
+        self.lora_request = None
 
     def block_extra_keys(self, start: int, end: int) -> bytes:
         """Extra hash keys of the block holding token positions [start, end)."""

@@ -19,6 +19,7 @@ from engine.distributed import get_tp, min_across_ranks
 from engine.dtype import resolve_dtype
 from engine.layers import Attention, GroupedAttentionMetadata, select_impls
 from engine.layers.quantization.apply import describe_quantized, mark_quantized
+from engine.lora.manager import LoRAManager
 from engine.model_loader.weight_loader import load_checked
 from engine.models import check_model_config, get_model_class
 from engine.outputs import ModelRunnerOutput
@@ -73,6 +74,10 @@ class ModelRunner:
         check_model_config(hf_config, config.max_model_len)  # one line, before any weight is read
         self.model = load_model(
             model_dir, hf_config, self.backend, self.dtype, self.device, config.quantization
+        )
+        # LoRA: adapters added to the decoder linears, a per-token adapter index each step
+        self.lora = (
+            LoRAManager(self.model, config, self.dtype, self.device) if config.enable_lora else None
         )
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)
@@ -275,6 +280,8 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows, sample_idx = self.prepare_inputs(out)
         graphs = self.decode_graphs
         fused = self.fused_decode
+        if self.lora is not None and self.lora.prepare(out.requests, out.num_scheduled_tokens):
+            graphs = fused = None  # adapters in the batch: the per-layer path (logged once)
         if graphs is not None and graphs.can_run(meta):
             hidden = graphs.run(input_ids, positions, meta)
         elif fused is not None and fused.can_run(meta):

@@ -1,0 +1,201 @@
+"""Multi-LoRA: random-weight PEFT adapters give PEFT's greedy tokens, alone and mixed in one
+batch with the base model, with prefix hits; bad adapters are refused naming file and tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hf_generate, make_prompts
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRAError, parse_lora_module
+from engine.sampling_params import SamplingParams
+
+BS = 4
+MAX_NEW = 8
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
+def build_adapter(base_dir: Path, out: Path, seed: int, r: int, targets, **cfg) -> Path:
+    """A PEFT adapter with random A and B (PEFT's init leaves B zero: no effect), saved."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=r, target_modules=list(targets), init_lora_weights=False, **cfg)
+    model = get_peft_model(base, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    model.save_pretrained(out)
+    return out
+
+
+def peft_greedy(base_dir: Path, adapter: Path | None, prompts, max_new: int) -> list[list[int]]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    return [hf_generate(model, p, max_new) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("loras")
+    return {
+        "attn": build_adapter(tiny_model_dir, root / "attn", 1, 8, ATTN, lora_alpha=16),
+        "mlp": build_adapter(tiny_model_dir, root / "mlp", 2, 4, MLP, lora_alpha=8),
+        "all-rs": build_adapter(
+            tiny_model_dir, root / "all-rs", 3, 16, ATTN + MLP, lora_alpha=8, use_rslora=True
+        ),
+        "qv": build_adapter(tiny_model_dir, root / "qv", 4, 2, ["q_proj", "v_proj"], lora_alpha=4),
+    }
+
+
+def make_engine(model_dir, adapters: dict[str, Path], **kw) -> LLMEngine:
+    mods = tuple(f"{name}={path}" for name, path in adapters.items())
+    cfg = dict(model=str(model_dir), dtype="float32", device="cpu", block_size=BS)
+    cfg |= dict(enable_lora=True, lora_modules=mods, max_loras=2, max_lora_rank=16) | kw
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def run(engine: LLMEngine, jobs: list[tuple[list[int], str | None]]) -> tuple[list, list]:
+    """Adds every (prompt, adapter) at once and steps to the end: (tokens, cached tokens)."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    tokens = {i: [] for i in range(len(jobs))}
+    cached = {}
+    for i, (prompt, lora) in enumerate(jobs):
+        engine.add_request(str(i), prompt, params, lora_name=lora)
+    while engine.has_unfinished_requests():
+        for out in engine.step()[0]:
+            tokens[int(out.request_id)] += out.outputs[0].token_ids
+            cached[int(out.request_id)] = out.num_cached_tokens
+    return [tokens[i] for i in range(len(jobs))], [cached[i] for i in range(len(jobs))]
+
+
+def test_each_adapter_alone_matches_peft(tiny_model_dir, adapters):
+    prompts = make_prompts(2, seed=5, min_len=9, max_len=14)
+    engine = make_engine(tiny_model_dir, adapters)
+    base = peft_greedy(tiny_model_dir, None, prompts, MAX_NEW)
+    for name, path in adapters.items():
+        expected = peft_greedy(tiny_model_dir, path, prompts, MAX_NEW)
+        assert expected != base, f"{name}: the adapter should change the greedy tokens"
+        got, _ = run(engine, [(p, name) for p in prompts])
+        assert got == expected, name
+
+
+def test_mixed_batch_of_three_adapters_and_base_with_prefix_hits(tiny_model_dir, adapters):
+    prompt = make_prompts(1, seed=7, min_len=13, max_len=13)[0]  # 3 full blocks + 1
+    names = [None, "attn", "mlp", "all-rs"]
+    expected = [
+        peft_greedy(tiny_model_dir, adapters[n] if n else None, [prompt], MAX_NEW)[0]
+        for n in names
+    ]
+    engine = make_engine(tiny_model_dir, adapters)  # 2 slots for 3 adapters: the stacks widen
+    got, cached = run(engine, [(prompt, n) for n in names])
+    assert got == expected
+    assert cached == [0, 0, 0, 0]  # one prompt, four identities: nothing shared in one step
+    again, cached = run(engine, [(prompt, n) for n in reversed(names)])
+    assert again == expected[::-1]
+    assert cached == [12, 12, 12, 12]  # each hits only its own adapter's blocks
+    kv = engine.scheduler.kv_cache_manager
+    kv.check_integrity()
+    assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_blocks
+
+
+def test_reload_under_the_same_name_changes_output_and_misses_the_cache(
+    tiny_model_dir, adapters, tmp_path
+):
+    prompt = make_prompts(1, seed=8, min_len=12, max_len=12)[0]
+    swap = tmp_path / "swap"
+    shutil.copytree(adapters["attn"], swap)
+    engine = make_engine(tiny_model_dir, {"x": swap})
+    (first,), _ = run(engine, [(prompt, "x")])
+    shutil.rmtree(swap)
+    shutil.copytree(adapters["qv"], swap)
+    engine.lora_registry.load("x", str(swap))
+    (second,), (hit,) = run(engine, [(prompt, "x")])
+    assert hit == 0  # the old weights' KV is never reused
+    assert first == peft_greedy(tiny_model_dir, adapters["attn"], [prompt], MAX_NEW)[0]
+    assert second == peft_greedy(tiny_model_dir, adapters["qv"], [prompt], MAX_NEW)[0]
+
+
+def test_unknown_adapter_is_refused(tiny_model_dir, adapters):
+    engine = make_engine(tiny_model_dir, {"attn": adapters["attn"]})
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with pytest.raises(ValueError, match="nope"):
+        engine.make_request("r", [5, 6], params, lora_name="nope")
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    path = folder / "adapter_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+def test_bad_adapters_are_refused_naming_file_and_tensor(
+    tiny_model_dir, adapters, tmp_path_factory
+):
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("bad")
+    engine = make_engine(tiny_model_dir, {})
+    load = engine.lora_registry.load
+
+    missing = _copy(adapters["attn"], root / "missing")
+    (missing / "adapter_model.safetensors").unlink()
+    with pytest.raises(LoRAError, match=r"missing/adapter_model\.safetensors: missing"):
+        load("m", str(missing))
+
+    with pytest.raises(LoRAError, match="no such LoRA adapter folder"):
+        load("m", str(root / "nowhere"))
+
+    big = build_adapter(tiny_model_dir, root / "big", 9, 32, ["q_proj"])
+    with pytest.raises(LoRAError, match=r"adapter_config\.json: r=32 exceeds --max-lora-rank 16"):
+        load("m", str(big))
+
+    shaped = _copy(adapters["attn"], root / "shaped")
+    tensors = load_file(shaped / "adapter_model.safetensors")
+    key = next(k for k in tensors if "layers.1.self_attn.k_proj.lora_B" in k)
+    tensors[key] = torch.zeros(40, 8)
+    save_file(tensors, shaped / "adapter_model.safetensors")
+    with pytest.raises(LoRAError, match=rf"shaped/adapter_model\.safetensors: tensor {key} has sh"):
+        load("m", str(shaped))
+
+    embed = build_adapter(tiny_model_dir, root / "embed", 9, 4, ["q_proj", "embed_tokens"])
+    with pytest.raises(LoRAError, match=r"target_modules \['embed_tokens'\] are not supported"):
+        load("m", str(embed))
+    _edit_config(embed, target_modules=["q_proj"])
+    with pytest.raises(LoRAError, match=r"tensor .*embed_tokens.*unsupported target"):
+        load("m", str(embed))
+
+    dora = _copy(adapters["attn"], root / "dora")
+    _edit_config(dora, use_dora=True)
+    with pytest.raises(LoRAError, match=r"dora/adapter_config\.json: use_dora=True"):
+        load("m", str(dora))
+    assert engine.lora_registry.adapters == {}  # nothing half-registered
+
+
+def test_lora_module_forms():
+    assert parse_lora_module("a=/x/y").path == "/x/y"
+    spec = parse_lora_module('{"name": "a", "path": "/p", "base_model_name": "base"}')
+    assert (spec.name, spec.path, spec.base_model_name) == ("a", "/p", "base")
+    with pytest.raises(LoRAError, match="expected name=path"):
+        parse_lora_module("nopath")
+    with pytest.raises(ValueError, match="lora_modules needs enable_lora"):
+        EngineConfig(model="x", lora_modules=("a=/b",))
