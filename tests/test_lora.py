@@ -99,8 +99,7 @@ def test_mixed_batch_of_three_adapters_and_base_with_prefix_hits(tiny_model_dir,
     prompt = make_prompts(1, seed=7, min_len=13, max_len=13)[0]  # 3 full blocks + 1
     names = [None, "attn", "mlp", "all-rs"]
     expected = [
-        peft_greedy(tiny_model_dir, adapters[n] if n else None, [prompt], MAX_NEW)[0]
-        for n in names
+        peft_greedy(tiny_model_dir, adapters[n] if n else None, [prompt], MAX_NEW)[0] for n in names
     ]
     engine = make_engine(tiny_model_dir, adapters)  # 2 slots for 3 adapters: the stacks widen
     got, cached = run(engine, [(prompt, n) for n in names])
@@ -199,3 +198,24 @@ def test_lora_module_forms():
         parse_lora_module("nopath")
     with pytest.raises(ValueError, match="lora_modules needs enable_lora"):
         EngineConfig(model="x", lora_modules=("a=/b",))
+
+
+def test_stacked_gemms_equal_the_per_token_gather_oracle():
+    from engine.layers.lora import LoRABatch, LoRALinearWeights, lora_delta_native
+
+    torch.manual_seed(0)
+    batch = LoRABatch(num_slots=3, max_rank=8, dtype=torch.float32, device="cpu")
+    weights = LoRALinearWeights(16, [12, 6, 6], batch, torch.float32, "cpu")
+    for slot, rank in enumerate((8, 3, 5)):
+        parts = [(torch.randn(rank, 16), torch.randn(n, rank)) for n in (12, 6, 6)]
+        parts[1 + slot % 2] = None  # a part the adapter does not target
+        weights.set_slot(slot, parts)
+    weights.grow(1)  # a fourth, empty slot
+    batch.num_slots = 4
+    slots = torch.tensor([-1, 0, 2, 1, 1, -1, 3, 0, 2])
+    batch.set(slots, torch.tensor([2.0, 0.5, 1.5, 1.0]))
+    x = torch.randn(len(slots), 16)
+    got, ref = weights.delta(x), lora_delta_native(weights, x)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert got[0].abs().max() == 0 and got[6].abs().max() == 0  # base tokens, an empty slot
+    assert got[1].abs().max() > 0

@@ -100,9 +100,7 @@ def load_adapter(request: LoRARequest, shapes: BaseShapes, max_rank: int) -> LoR
     for (layer, module), ab in halves.items():
         if set(ab) != {"A", "B"}:
             missing = "B" if "A" in ab else "A"
-            raise LoRAError(
-                f"{weights_file}: layer {layer} {module} has no lora_{missing} tensor"
-            )
+            raise LoRAError(f"{weights_file}: layer {layer} {module} has no lora_{missing} tensor")
         weights[(layer, module)] = (ab["A"], ab["B"])
     if not weights:
         raise LoRAError(f"{weights_file}: no LoRA tensors")

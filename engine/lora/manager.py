@@ -150,4 +150,3 @@ class LoRAManager:
         pad = torch.zeros(extra, dtype=self.slot_scaling.dtype, device=self.device)
         self.slot_scaling = torch.cat([self.slot_scaling, pad])
         self.batch.num_slots = num_slots
-

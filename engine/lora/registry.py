@@ -27,9 +27,7 @@ class LoRARegistry:
         with the requests already running under it."""
         if name == self.base_model_name:
             raise LoRAError(f"LoRA adapter name {name!r} is the base model's name")
-        request = LoRARequest(
-            name, next(self._ids), str(path), content_hash(path), base_model_name
-        )
+        request = LoRARequest(name, next(self._ids), str(path), content_hash(path), base_model_name)
         self.executor.add_lora(request)  # reads and checks it against the base model
         self.adapters[name] = request
         logger.info("LoRA adapter %s loaded from %s (%s)", name, path, request.content_hash[:12])

@@ -65,7 +65,8 @@ def adapter_files(path: str | Path) -> tuple[Path, Path]:
     if not config.is_file():
         raise LoRAError(f"{config}: missing (a PEFT adapter folder has {ADAPTER_CONFIG})")
     if not weights.is_file():
-        hint = " (convert adapter_model.bin to safetensors)" if (folder / "adapter_model.bin").is_file() else ""
+        has_bin = (folder / "adapter_model.bin").is_file()
+        hint = " (convert adapter_model.bin to safetensors)" if has_bin else ""
         raise LoRAError(f"{weights}: missing{hint}")
     return config, weights
 

@@ -441,9 +441,7 @@ class BlockTables:
         rows = np.empty(len(out.requests), dtype=np.int64)
         row_of, num_filled = self.row_of, self.num_filled
         deltas = out.new_block_ids if new_block_ids is None else new_block_ids
-        for i, (req, new_ids, reset) in enumerate(
-            zip(out.requests, deltas, out.block_table_reset)
-        ):
+        for i, (req, new_ids, reset) in enumerate(zip(out.requests, deltas, out.block_table_reset)):
             rid = req.request_id
             row = row_of.get(rid)
             if row is None:
