@@ -94,6 +94,12 @@ class AsyncEngine:
         return self.engine.model_name
 
     @property
+    def lora_adapters(self) -> list:
+        """The served LoRA adapters (engine/lora LoRARequest), in load order."""
+        registry = self.engine.lora_registry
+        return list(registry.adapters.values()) if registry is not None else []
+
+    @property
     def model_dir(self) -> Path:
         return self.engine.model_dir
 
@@ -142,7 +148,11 @@ class AsyncEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def make_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_name: str | None = None,
     ) -> Request:
         """The request the engine will run, validated once (LLMEngine.make_request).
 
@@ -152,7 +162,7 @@ class AsyncEngine:
         self.check_health()
         if request_id in self._streams:  # ids come partly from clients (X-Request-Id)
             raise ValueError(f"request id {request_id!r} is already in use")
-        return self.engine.make_request(request_id, prompt_token_ids, params)
+        return self.engine.make_request(request_id, prompt_token_ids, params, lora_name)
 
     def check_queue(self, num_new: int = 1) -> None:
         """QueueFullError if num_new more requests would pass --max-num-queued-reqs."""

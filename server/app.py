@@ -91,20 +91,25 @@ def _add_operational_routes(app: FastAPI, engine: AsyncEngine, metrics: Metrics)
 
 
 def _add_model_routes(app: FastAPI, engine: AsyncEngine, ctx: ServingContext) -> None:
-    """/v1/models and /v1/models/{model}: the one served model's card."""
+    """/v1/models and /v1/models/{model}: the served model's card, then each LoRA adapter's
+    (its `parent` the base model, as vLLM lists them)."""
 
-    def model_card() -> ModelCard:
+    def model_cards() -> list[ModelCard]:
         root = str(engine.model_dir)
-        return ModelCard(id=ctx.model_name, root=root, max_model_len=ctx.max_model_len)
+        cards = [ModelCard(id=ctx.model_name, root=root, max_model_len=ctx.max_model_len)]
+        for lora in engine.lora_adapters:
+            parent = lora.base_model_name or ctx.model_name
+            cards.append(ModelCard(id=lora.name, root=lora.path, parent=parent))
+        return cards
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=model_cards())
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> ModelCard:
         ctx.check_model(model)
-        return model_card()
+        return next(card for card in model_cards() if card.id == model)
 
 
 def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:

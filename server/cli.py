@@ -93,6 +93,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     _add_parallel_args(p)
+    _add_lora_args(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
@@ -140,6 +141,34 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
         "--headless",
         action="store_true",
         help="run only this host's model workers (node rank > 0), no HTTP server",
+    )
+
+
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    """Multi-LoRA serving, vLLM's flags (engine/lora/)."""
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters; a request picks one by its `model` field (default: off)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        metavar="NAME=PATH",
+        help="PEFT adapter folders as name=path or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (default: none)',
+    )
+    p.add_argument(
+        "--max-loras", type=int, default=1, help="adapter slots in one step (default: 1)"
+    )
+    p.add_argument(
+        "--max-lora-rank", type=int, default=16, help="largest adapter rank (default: 16)"
+    )
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        help="adapters kept loaded, least recently used evicted (default: --max-loras)",
     )
 
 

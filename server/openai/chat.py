@@ -211,7 +211,7 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request
     )
     # Engine ids stay unique even when a client reuses its X-Request-Id.
     choices = plan_choices(f"{request_id}-{uuid.uuid4().hex[:8]}", [prompt_ids], [params])
-    make_requests(ctx, choices, "messages")
+    make_requests(ctx, choices, "messages", body.model)
     return ChatRun(request_id, prompt_ids, choices, plan)
 
 
