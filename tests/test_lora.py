@@ -219,3 +219,25 @@ def test_stacked_gemms_equal_the_per_token_gather_oracle():
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert got[0].abs().max() == 0 and got[6].abs().max() == 0  # base tokens, an empty slot
     assert got[1].abs().max() > 0
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_packed_linears_take_adapters_and_base_batches_keep_the_fused_step(
+    tiny_model_dir, adapters, ops, quantization
+):
+    """bf16 packed (or int8) linears: an adapter's batch runs the per-layer path with the
+    adapter added; a base-only batch still runs the fused decode step."""
+    engine = make_engine(
+        tiny_model_dir, {"attn": adapters["all-rs"]}, dtype="bfloat16", quantization=quantization
+    )
+    runner = engine.runner
+    calls = []
+    if quantization is None:  # int8 has no fused decode step
+        fused_run = runner.fused_decode.run
+        runner.fused_decode.run = lambda *a, **k: (calls.append(1), fused_run(*a, **k))[1]
+    prompt = make_prompts(1, seed=3, min_len=10, max_len=10)[0]
+    (base,), _ = run(engine, [(prompt, None)])
+    assert len(calls) == (MAX_NEW - 1 if quantization is None else 0)  # every decode step
+    calls.clear()
+    (tuned,), _ = run(engine, [(prompt, "attn")])
+    assert not calls and tuned != base
