@@ -100,6 +100,18 @@ class AsyncEngine:
         return list(registry.adapters.values()) if registry is not None else []
 
     @property
+    def lora_enabled(self) -> bool:
+        return self.engine.lora_registry is not None
+
+    def load_lora(self, name: str, path: str, load_inplace: bool = False):
+        """Reads, checks and registers an adapter (a LoRAError naming file and tensor); call it
+        off the event loop. Running requests keep their adapter's weights."""
+        return self.engine.lora_registry.load(name, path, load_inplace=load_inplace)
+
+    def unload_lora(self, name: str):
+        return self.engine.lora_registry.unload(name)
+
+    @property
     def model_dir(self) -> Path:
         return self.engine.model_dir
 

@@ -13,6 +13,7 @@ from server.metrics import Metrics
 from server.openai.chat import create_chat_completion
 from server.openai.completions import create_completion
 from server.openai.errors import APIError, error_response, install_error_handlers
+from server.openai.lora_adapters import install_lora_routes
 from server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -59,6 +60,7 @@ def build_app(
     _add_model_routes(app, engine, ctx)
     _add_generation_routes(app, ctx)
     _add_tokenizer_routes(app, engine, ctx)
+    install_lora_routes(app, engine)  # with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING
 
     install_offline_docs(app)
     if kv_view is not None:

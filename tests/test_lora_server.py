@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 from conftest import ServerProcess, build_byte_tokenizer
@@ -56,3 +57,71 @@ def test_completions_pick_the_adapter_by_model(lora_server, tiny_model_dir):
     assert len(set(texts.values())) == 3
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="nope", prompt=prompt, max_tokens=2)
+
+
+def test_runtime_updates_need_the_opt_in(lora_server):
+    r = httpx.post(
+        lora_server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"}
+    )
+    assert r.status_code == 404
+
+
+@pytest.fixture(scope="module")
+def dynamic_server(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dynamic-loras")
+    server = ServerProcess(
+        str(tiny_model_dir),
+        "--dtype", "float32", "--served-model-name", "tiny", "--api-key", "sekret",
+        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+    )  # fmt: skip
+    server.root = root
+    yield server.wait_ready()
+    server.stop()
+
+
+def test_load_and_unload_adapters_at_runtime(dynamic_server, tiny_model_dir):
+    url, root = dynamic_server.url, dynamic_server.root
+    auth = {"Authorization": "Bearer sekret"}
+    client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+    a = build_adapter(tiny_model_dir, root / "a", 21, 8, ATTN, lora_alpha=16)
+    b = build_adapter(tiny_model_dir, root / "b", 22, 4, MLP, lora_alpha=8)
+    big = build_adapter(tiny_model_dir, root / "big", 23, 16, ATTN)
+    tok = build_byte_tokenizer()
+    prompt = "runtime adapters"
+    ids = tok(prompt)["input_ids"]
+
+    def complete(model: str) -> str:
+        out = client.completions.create(
+            model=model, prompt=prompt, max_tokens=MAX_NEW, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return out.choices[0].text
+
+    def load(name, path, **kw):
+        body = {"lora_name": name, "lora_path": str(path), **kw}
+        return httpx.post(url + "/v1/load_lora_adapter", json=body, headers=auth)
+
+    assert httpx.post(url + "/v1/load_lora_adapter", json={}).status_code == 401  # the API key
+    r = load("live", a)
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'live' added successfully."
+    assert [m.id for m in client.models.list().data] == ["tiny", "live"]
+    expected_a = tok.decode(peft_greedy(tiny_model_dir, a, [ids], MAX_NEW)[0])
+    assert complete("live") == expected_a
+    r = load("live", b)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+    assert "load_inplace" in r.json()["error"]["message"]
+    r = load("live", big, load_inplace=True)  # r=16 > --max-lora-rank 8: refused, "live" stays
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+    assert "big/adapter_config.json: r=16 exceeds --max-lora-rank 8" in r.json()["error"]["message"]
+    assert complete("live") == expected_a
+    assert load("live", b, load_inplace=True).status_code == 200  # new weights, same name
+    assert complete("live") == tok.decode(peft_greedy(tiny_model_dir, b, [ids], MAX_NEW)[0])
+    body = {"lora_name": "live"}
+    r = httpx.post(url + "/v1/unload_lora_adapter", json=body, headers=auth)
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'live' removed successfully."
+    with pytest.raises(openai.NotFoundError):
+        complete("live")
+    r = httpx.post(url + "/v1/unload_lora_adapter", json=body, headers=auth)
+    assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]
+    assert complete("tiny") == tok.decode(peft_greedy(tiny_model_dir, None, [ids], MAX_NEW)[0])

@@ -9,6 +9,7 @@ the --max-loras slots (a slot already holding one is reused without a copy).
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -68,28 +69,33 @@ class LoRAManager:
             self.layers.append(found)
         self.shapes = BaseShapes(modules, len(self.layers))
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # content hash -> adapter
+        self._lock = threading.Lock()  # load/unload come from the server's threads
         self.slots: list[str | None] = [None] * config.max_loras
         self.slot_scaling = torch.zeros(config.max_loras, dtype=torch.float32, device=device)
         self._warned_slots = self._logged_fallback = False
 
     # ---- adapters ----------------------------------------------------------------------------
     def add(self, request: LoRARequest) -> LoRAAdapter:
-        """Loads and checks an adapter (LoRAError naming the file and tensor), keeps it LRU."""
-        adapter = self.loaded.get(request.content_hash)
+        """Loads and checks an adapter (LoRAError naming the file and tensor), keeps it LRU.
+
+        The files are read outside the lock: a load from the server never holds up a step."""
+        key = request.content_hash
+        with self._lock:
+            adapter = self.loaded.get(key)
         if adapter is None:
             adapter = load_adapter(request, self.shapes, self.max_rank)
-            self.loaded[request.content_hash] = adapter
-        self.loaded.move_to_end(request.content_hash)
-        while len(self.loaded) > self.max_cpu_loras:
-            evicted, _ = self.loaded.popitem(last=False)
-            logger.info("LoRA: adapter %s evicted from memory (--max-cpu-loras)", evicted[:12])
-        return adapter
+        with self._lock:
+            self.loaded[key] = self.loaded.get(key, adapter)
+            self.loaded.move_to_end(key)
+            while len(self.loaded) > self.max_cpu_loras:
+                evicted, _ = self.loaded.popitem(last=False)
+                logger.info("LoRA: adapter %s evicted from memory (--max-cpu-loras)", evicted[:12])
+            return self.loaded[key]
 
     def remove(self, request: LoRARequest) -> None:
-        self.loaded.pop(request.content_hash, None)
-        for i, key in enumerate(self.slots):
-            if key == request.content_hash:
-                self.slots[i] = None
+        """Drops the loaded copy; a slot holding it keeps serving requests already running."""
+        with self._lock:
+            self.loaded.pop(request.content_hash, None)
 
     # ---- one step ----------------------------------------------------------------------------
     def prepare(self, requests, num_scheduled_tokens) -> bool:
