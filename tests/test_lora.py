@@ -241,3 +241,32 @@ def test_packed_linears_take_adapters_and_base_batches_keep_the_fused_step(
     calls.clear()
     (tuned,), _ = run(engine, [(prompt, "attn")])
     assert not calls and tuned != base
+
+
+def test_max_loras_bounds_each_step_and_preemption_keeps_peft_tokens(tiny_model_dir, adapters):
+    """--max-loras 1: each step runs at most one adapter (others wait their turn, FCFS); a KV
+    pool too small for all of them preempts, and every request still gets PEFT's tokens."""
+    prompts = make_prompts(4, seed=9, min_len=10, max_len=14)
+    names = ["attn", None, "mlp", "attn"]
+    expected = [
+        peft_greedy(tiny_model_dir, adapters[n] if n else None, [p], MAX_NEW)[0]
+        for p, n in zip(prompts, names)
+    ]
+    engine = make_engine(tiny_model_dir, adapters, max_loras=1, max_cpu_loras=2)
+    manager = engine.runner.lora
+    seen = []
+    prepare = manager.prepare
+
+    def spy(requests, counts):
+        seen.append({r.lora_request.name for r in requests if r.lora_request})
+        return prepare(requests, counts)
+
+    manager.prepare = spy
+    got, _ = run(engine, list(zip(prompts, names)))
+    assert got == expected
+    assert max(len(s) for s in seen) == 1 and {"attn", "mlp"} <= set().union(*seen)
+    assert len(manager.slots) == 1  # never widened
+    small = make_engine(tiny_model_dir, adapters, num_gpu_blocks_override=7)
+    got, _ = run(small, list(zip(prompts, names)))
+    assert got == expected
+    assert small.scheduler.num_preemptions_total > 0

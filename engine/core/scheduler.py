@@ -293,6 +293,8 @@ class Scheduler:
         now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
+            if req.lora_request is not None and not self._lora_fits(req):
+                break  # --max-loras adapters run already: the head waits its turn (FCFS)
             hits, num_hit_tokens = kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             if kv.allocate_slots(req, num_new, hits, num_hit_tokens) is None:
@@ -308,6 +310,11 @@ class Scheduler:
             self._add_to_batch(out, req, num_new, num_hit_tokens)
             out.num_new_requests += 1
             budget -= num_new
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether req's LoRA adapter may join the running ones (at most --max-loras)."""
+        running = {r.lora_request.content_hash for r in self.running if r.lora_request}
+        return req.lora_request.content_hash in running or len(running) < self.config.max_loras
 
     def _add_to_batch(self, out: SchedulerOutput, req: Request, num_new: int, computed: int):
         out.requests.append(req)
