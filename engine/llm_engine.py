@@ -311,8 +311,19 @@ class LLMEngine:
             num_free_blocks=pool.get_num_free_blocks(),
             num_cached_free_blocks=pool.get_num_cached_free_blocks(),
             step_time=step_time,
+            lora_info=self._lora_info(),
             **_spec_stats(out),
         )
+
+    def _lora_info(self) -> tuple[int, str, str] | None:
+        if self.lora_registry is None:
+            return None
+        sched = self.scheduler
+
+        def names(reqs) -> str:
+            return ",".join(sorted({r.lora_request.name for r in reqs if r.lora_request}))
+
+        return self.config.max_loras, names(sched.running), names(sched.waiting)
 
 
 def _spec_stats(out: SchedulerOutput) -> dict:

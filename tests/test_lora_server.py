@@ -125,3 +125,20 @@ def test_load_and_unload_adapters_at_runtime(dynamic_server, tiny_model_dir):
     r = httpx.post(url + "/v1/unload_lora_adapter", json=body, headers=auth)
     assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]
     assert complete("tiny") == tok.decode(peft_greedy(tiny_model_dir, None, [ids], MAX_NEW)[0])
+
+
+def test_lora_requests_info_gauge(lora_server):
+    from conftest import metric_value
+
+    from server.metrics import P  # the metric prefix (vLLM's "vllm:")
+
+    client = openai.OpenAI(base_url=lora_server.url + "/v1", api_key="x", max_retries=0)
+    stream = client.completions.create(
+        model="attn", prompt="hi", max_tokens=900, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    next(iter(stream))
+    text = httpx.get(lora_server.url + "/metrics").text
+    stream.close()
+    running = {"max_lora": "2", "running_lora_adapters": "attn", "waiting_lora_adapters": ""}
+    assert metric_value(text, P + "lora_requests_info", running) > 1e9  # a Unix time
