@@ -270,3 +270,34 @@ def test_max_loras_bounds_each_step_and_preemption_keeps_peft_tokens(tiny_model_
     got, _ = run(small, list(zip(prompts, names)))
     assert got == expected
     assert small.scheduler.num_preemptions_total > 0
+
+
+@pytest.mark.parametrize(
+    "family,targets",
+    [("qwen2", ATTN + MLP), ("qwen3", ATTN + MLP), ("mistral", ATTN), ("qwen3-moe", ATTN)],
+)
+def test_families_match_peft(family, targets, tmp_path):
+    """q/k/v biases (Qwen2), q/k norms and head_dim * heads != hidden (Qwen3), MoE layers."""
+    from test_model_families import build_family_dir
+
+    model_dir = build_family_dir(tmp_path / family, family)
+    adapter = build_adapter(model_dir, tmp_path / "adapter", 5, 8, targets, lora_alpha=16)
+    prompts = make_prompts(2, seed=6, min_len=9, max_len=14)
+    expected = peft_greedy(model_dir, adapter, prompts, MAX_NEW)
+    assert expected != peft_greedy(model_dir, None, prompts, MAX_NEW)
+    engine = make_engine(model_dir, {"a": adapter})
+    got, _ = run(engine, [(p, "a") for p in prompts] + [(prompts[0], None)])
+    assert got[:2] == expected
+
+
+def test_moe_layers_refuse_mlp_adapters(tmp_path):
+    from safetensors.torch import save_file
+    from test_model_families import build_family_dir
+
+    model_dir = build_family_dir(tmp_path / "moe", "qwen3-moe")
+    adapter = build_adapter(model_dir, tmp_path / "adapter", 5, 4, ["q_proj"], lora_alpha=8)
+    key = "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"
+    save_file({key: torch.zeros(4, 64)}, adapter / "adapter_model.safetensors")
+    engine = make_engine(model_dir, {})
+    with pytest.raises(LoRAError, match=rf"tensor {key}: layer 0 of the base model has no dense"):
+        engine.lora_registry.load("m", str(adapter))

@@ -42,10 +42,15 @@ class LoRAAdapter:
 
 @dataclass(frozen=True)
 class BaseShapes:
-    """What the base model takes: HF module name -> (in_features, out_features), layers."""
+    """What the base model takes: HF module name -> (in_features, out_features), and the
+    modules each decoder layer has (an MoE layer has no dense gate/up/down)."""
 
     modules: dict[str, tuple[int, int]]
-    num_layers: int
+    layer_modules: list[frozenset[str]]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_modules)
 
 
 def read_config(path) -> dict:
@@ -121,6 +126,11 @@ def _parse_key(weights_file, key: str, shapes: BaseShapes) -> tuple[int, str, st
         raise LoRAError(
             f"{weights_file}: tensor {key}: layer {layer} does not exist in the base model "
             f"({shapes.num_layers} layers)"
+        )
+    if module not in shapes.layer_modules[layer]:
+        raise LoRAError(
+            f"{weights_file}: tensor {key}: layer {layer} of the base model has no dense "
+            f"{module} (a mixture-of-experts MLP takes no adapter)"
         )
     return layer, module, which
 

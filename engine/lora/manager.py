@@ -57,6 +57,7 @@ class LoRAManager:
         self.device = device
         self.layers: list[dict[str, LoRALinearWeights]] = []
         modules: dict[str, tuple[int, int]] = {}
+        layer_modules: list[frozenset[str]] = []
         for layer in model.model.layers:
             found = {}
             for name, lin in _linears_of(layer).items():
@@ -67,7 +68,8 @@ class LoRAManager:
                 for hf_name, size in zip(_PARTS[name], sizes):
                     modules[hf_name] = (lin.in_features, size)
             self.layers.append(found)
-        self.shapes = BaseShapes(modules, len(self.layers))
+            layer_modules.append(frozenset(hf for name in found for hf in _PARTS[name]))
+        self.shapes = BaseShapes(modules, layer_modules)
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # content hash -> adapter
         self._lock = threading.Lock()  # load/unload come from the server's threads
         self.slots: list[str | None] = [None] * config.max_loras
