@@ -219,6 +219,11 @@ def test_stacked_gemms_equal_the_per_token_gather_oracle():
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert got[0].abs().max() == 0 and got[6].abs().max() == 0  # base tokens, an empty slot
     assert got[1].abs().max() > 0
+    low = torch.tensor([1, -1, 0, 1])  # slots 2 and 3 idle: the GEMMs take slots 0..1 only
+    batch.set(low, torch.tensor([2.0, 0.5, 1.5, 1.0]), num_active=2)
+    torch.testing.assert_close(
+        weights.delta(x[:4]), lora_delta_native(weights, x[:4]), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])

@@ -31,23 +31,38 @@ class LoRABatch:
         self.num_slots, self.max_rank = num_slots, max_rank
         self.dtype, self.device = dtype, device
         self.active = False
+        self.num_active = 0  # slots 0..num_active-1 cover every token's: the GEMMs use those
         self.token_slots: torch.Tensor | None = None  # [T] int64, -1: the base model
         self._weights: torch.Tensor | None = None  # [T, S] the token's slot's scaling
         self._masks: dict[int, torch.Tensor] = {}
 
-    def set(self, token_slots: torch.Tensor | None, slot_scaling: torch.Tensor | None) -> None:
-        """token_slots [T] (-1 for base tokens) and slot_scaling [S], or None for base only."""
+    def set(
+        self,
+        token_slots: torch.Tensor | None,
+        slot_scaling: torch.Tensor | None,
+        num_active: int | None = None,
+    ) -> None:
+        """token_slots [T] (-1 for base tokens) and slot_scaling [S], or None for base only;
+        num_active: 1 + the highest slot of token_slots, when the caller knows it (no sync)."""
         self._masks = {}
         self.active = token_slots is not None
         self.token_slots = token_slots
         if token_slots is None:
             self._weights = None
             return
-        onehot = token_slots.unsqueeze(1) == torch.arange(self.num_slots, device=self.device)
-        self._weights = onehot.to(self.dtype) * slot_scaling.to(self.dtype)  # [T, S]
+        n = int(token_slots.max()) + 1 if num_active is None else num_active
+        self.num_active = n
+        onehot = token_slots.unsqueeze(1) == torch.arange(n, device=self.device)
+        self._weights = onehot.to(self.dtype) * slot_scaling[:n].to(self.dtype)  # [T, n]
+
+    def token_scaling(self) -> torch.Tensor:
+        """Each token's adapter scaling, 0 for base tokens."""
+        w = self._weights.gather(1, self.token_slots.clamp(min=0).unsqueeze(1)).squeeze(1)
+        return torch.where(self.token_slots >= 0, w, torch.zeros_like(w))
 
     def mask(self, parts: int) -> torch.Tensor:
-        """M [T, S*parts*r] for a linear of `parts` stacked outputs (built once per step)."""
+        """M [T, n*parts*r] for a linear of `parts` stacked outputs, n the step's active slots
+        (built once per step)."""
         m = self._masks.get(parts)
         if m is None:
             w = self._weights
@@ -99,8 +114,9 @@ class LoRALinearWeights(nn.Module):
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The adapters' contribution for every token of the batch: one shrink, one expand."""
-        shrunk = torch.mm(x, self.a_all.t()) * self.batch.mask(self.parts)  # [T, S*P*r]
-        return torch.mm(shrunk, self.b_all.t())  # [T, out]
+        cols = self.batch.num_active * self.parts * self.batch.max_rank
+        shrunk = torch.mm(x, self.a_all[:cols].t()) * self.batch.mask(self.parts)  # [T, n*P*r]
+        return torch.mm(shrunk, self.b_all[:, :cols].t())  # [T, out]
 
 
 def lora_delta_native(weights: LoRALinearWeights, x: torch.Tensor) -> torch.Tensor:
@@ -110,8 +126,7 @@ def lora_delta_native(weights: LoRALinearWeights, x: torch.Tensor) -> torch.Tens
     slots = batch.token_slots
     a = weights.a_all.view(s, p * r, -1)  # [S, P*r, in]
     b = weights.b_all.view(-1, s, p * r).permute(1, 0, 2)  # [S, out, P*r]
-    scale = batch._weights.gather(1, slots.clamp(min=0).unsqueeze(1)).squeeze(1)  # [T]
-    scale = torch.where(slots >= 0, scale, torch.zeros_like(scale))
+    scale = batch.token_scaling()  # [T]
     idx = slots.clamp(min=0)
     shrunk = torch.bmm(a[idx], x.unsqueeze(2))  # [T, P*r, 1]
     out = torch.bmm(b[idx], shrunk).squeeze(2)  # [T, out]

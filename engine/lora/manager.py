@@ -118,14 +118,14 @@ class LoRAManager:
         per_req = np.fromiter((slot_of.get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
         counts = np.fromiter(num_scheduled_tokens, dtype=np.int64, count=len(keys))
         token_slots = torch.from_numpy(np.repeat(per_req, counts)).to(self.device)
-        self.batch.set(token_slots, self.slot_scaling)
+        self.batch.set(token_slots, self.slot_scaling, int(per_req.max()) + 1)
         return True
 
     def _assign_slots(self, distinct: list[str], requests, keys) -> dict[str, int]:
         if len(distinct) > len(self.slots):
             self._grow(len(distinct))
         slot_of = {k: i for i, k in enumerate(self.slots) if k in distinct}
-        free = [i for i, k in enumerate(self.slots) if k not in slot_of]
+        free = [i for i, k in enumerate(self.slots) if k not in slot_of]  # lowest first
         by_key = {k: r.lora_request for r, k in zip(requests, keys) if k is not None}
         for key in distinct:
             if key not in slot_of:
