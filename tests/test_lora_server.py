@@ -50,6 +50,7 @@ def test_completions_pick_the_adapter_by_model(lora_server, tiny_model_dir):
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         texts[model] = out.choices[0].text
+        assert out.model == model
         adapter = lora_server.paths.get(model)
         (expected,) = peft_greedy(tiny_model_dir, adapter, [ids], MAX_NEW)
         assert out.usage.completion_tokens == MAX_NEW
@@ -142,3 +143,18 @@ def test_lora_requests_info_gauge(lora_server):
     stream.close()
     running = {"max_lora": "2", "running_lora_adapters": "attn", "waiting_lora_adapters": ""}
     assert metric_value(text, P + "lora_requests_info", running) > 1e9  # a Unix time
+
+
+def test_chat_picks_the_adapter_by_model(lora_server, tiny_model_dir):
+    client = openai.OpenAI(base_url=lora_server.url + "/v1", api_key="x", max_retries=0)
+    tok = build_byte_tokenizer()
+    messages = [{"role": "user", "content": "Hi there"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"]) if isinstance(ids, dict) or hasattr(ids, "keys") else list(ids)
+    out = client.chat.completions.create(
+        model="mlp", messages=messages, max_tokens=MAX_NEW, temperature=0.0,
+        extra_body={"ignore_eos": True, "skip_special_tokens": False},
+    )  # fmt: skip
+    (expected,) = peft_greedy(tiny_model_dir, lora_server.paths["mlp"], [ids], MAX_NEW)
+    assert out.model == "mlp"
+    assert out.choices[0].message.content == tok.decode(expected)

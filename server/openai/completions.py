@@ -120,7 +120,9 @@ class CompletionDriver(ChunkStreamDriver):
     def __init__(self, ctx, request_id, prompts, choices, formatters, include_usage: bool):
         super().__init__(ctx, prompts, choices)
         self.formatters, self.include_usage = formatters, include_usage
-        self.head = CompletionResponse(id=request_id, model=ctx.model_name, choices=[])
+        self.head = CompletionResponse(
+            id=request_id, model=ctx.response_model(choices), choices=[]
+        )
         self.deltas: list[list[CompletionChoice]] = [[] for _ in choices]
         self.envelope: ChunkEnvelope | None = None
 

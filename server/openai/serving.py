@@ -56,6 +56,12 @@ class ServingContext:
                 msg = f"The model `{requested}` does not exist."
                 raise APIError(404, msg, "NotFoundError", "model", "model_not_found")
 
+    def response_model(self, choices: list[ChoiceRequest]) -> str:
+        """The `model` a response names: the LoRA adapter its requests ran under, as vLLM."""
+        req = choices[0].request if choices else None
+        lora = req.lora_request if req is not None else None
+        return lora.name if lora is not None else self.model_name
+
     def lora_name_for(self, requested: str | None) -> str | None:
         """The LoRA adapter a request's `model` names, None for the base model."""
         if requested is None or requested == self.model_name:
