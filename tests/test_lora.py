@@ -306,3 +306,21 @@ def test_moe_layers_refuse_mlp_adapters(tmp_path):
     engine = make_engine(model_dir, {})
     with pytest.raises(LoRAError, match=rf"tensor {key}: layer 0 of the base model has no dense"):
         engine.lora_registry.load("m", str(adapter))
+
+
+def test_offline_llm_takes_vllm_style_lora_requests(tiny_model_dir, adapters):
+    from types import SimpleNamespace
+
+    from engine import LLM
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", enable_lora=True, max_lora_rank=16)
+    prompt = make_prompts(1, seed=12, min_len=10, max_len=10)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    lora = SimpleNamespace(lora_name="mlp", lora_int_id=1, lora_path=str(adapters["mlp"]))
+    (out,) = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
+    assert (
+        out.outputs[0].token_ids
+        == peft_greedy(tiny_model_dir, adapters["mlp"], [prompt], MAX_NEW)[0]
+    )
+    (again,) = llm.generate([prompt], params, use_tqdm=False, lora_request="mlp")
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
