@@ -94,6 +94,24 @@ class AsyncEngine:
         return self.engine.model_name
 
     @property
+    def lora_adapters(self) -> list:
+        """The served LoRA adapters (engine/lora LoRARequest), in load order."""
+        registry = self.engine.lora_registry
+        return list(registry.adapters.values()) if registry is not None else []
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.lora_registry is not None
+
+    def load_lora(self, name: str, path: str, load_inplace: bool = False):
+        """Reads, checks and registers an adapter (a LoRAError naming file and tensor); call it
+        off the event loop. Running requests keep their adapter's weights."""
+        return self.engine.lora_registry.load(name, path, load_inplace=load_inplace)
+
+    def unload_lora(self, name: str):
+        return self.engine.lora_registry.unload(name)
+
+    @property
     def model_dir(self) -> Path:
         return self.engine.model_dir
 
@@ -157,6 +175,7 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         mm_inputs: list | None = None,
+        lora_name: str | None = None,
     ) -> Request:
         """The request the engine will run, validated once (LLMEngine.make_request).
 
@@ -166,7 +185,9 @@ class AsyncEngine:
         self.check_health()
         if request_id in self._streams:  # ids come partly from clients (X-Request-Id)
             raise ValueError(f"request id {request_id!r} is already in use")
-        return self.engine.make_request(request_id, prompt_token_ids, params, mm_inputs)
+        return self.engine.make_request(
+            request_id, prompt_token_ids, params, mm_inputs=mm_inputs, lora_name=lora_name
+        )
 
     def check_queue(self, num_new: int = 1) -> None:
         """QueueFullError if num_new more requests would pass --max-num-queued-reqs."""

@@ -61,6 +61,13 @@ class EngineConfig:
     # n > 1: the samples of a prompt are forks of one sequence sharing its KV blocks
     # (copy-on-write, engine/core/forks.py); False: n independent requests (prefix cache only).
     fork_parallel_samples: bool = True
+    # multi-LoRA (engine/lora/): vLLM's --enable-lora, --lora-modules, --max-loras,
+    # --max-lora-rank, --max-cpu-loras (None: max_loras)
+    enable_lora: bool = False
+    lora_modules: tuple[str, ...] = ()  # "name=path" or vLLM's JSON form each
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         """Fills the defaults left unset, then checks every field (the first bad one raises)."""
@@ -74,6 +81,23 @@ class EngineConfig:
             raise ValueError("grammar_compile_timeout must be positive")
         self._check_speculative()
         self._check_media()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be positive")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        if self.enable_lora and self.distributed_executor_backend != "uni":
+            raise ValueError(
+                "enable_lora is not supported with tensor_parallel_size > 1 or "
+                "distributed_executor_backend 'mp' yet"
+            )
 
     def _resolve_defaults(self) -> None:
         if self.block_size is None:  # resolved once here, so every reader sees one number

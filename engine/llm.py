@@ -29,8 +29,13 @@ class LLM:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request=None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; results come back in prompt order."""
+        """Runs every prompt to completion; results come back in prompt order.
+
+        lora_request (with enable_lora): a served adapter's name, or an object with
+        vLLM's LoRARequest fields lora_name and lora_path (loaded, in place, when new)."""
+        lora = self._lora_name(lora_request)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or self.engine.default_sampling_params()
@@ -41,19 +46,33 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         order = []
         for prompt, p in zip(prompts, params):
-            order.append(self._add(prompt, p, results))
+            order.append(self._add(prompt, p, results, lora))
         self._run(results, use_tqdm)
         return [results[rid] for rid in order]
 
-    def _add(self, prompt: Prompt, params: SamplingParams, results: dict) -> str:
+    def _lora_name(self, lora_request) -> str | None:
+        if lora_request is None or isinstance(lora_request, str):
+            return lora_request
+        registry = self.engine.lora_registry
+        if registry is None:
+            raise ValueError("lora_request needs enable_lora=True")
+        name, path = lora_request.lora_name, str(lora_request.lora_path)
+        known = registry.get(name)
+        if known is None or known.path != path:
+            registry.load(name, path)
+        return name
+
+    def _add(self, prompt: Prompt, params: SamplingParams, results: dict, lora=None) -> str:
         """One engine request, or params.n of them (ids rid#i) forked from the first."""
         rid = str(next(self._ids))
         ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if params.n == 1:
-            self.engine.add_request(rid, ids, params)
+            self.engine.add_request(rid, ids, params, lora_name=lora)
         else:
             reqs = [
-                self.engine.make_request(f"{rid}#{i}", ids, sample_params(params, i))
+                self.engine.make_request(
+                    f"{rid}#{i}", ids, sample_params(params, i), lora_name=lora
+                )
                 for i in range(params.n)
             ]
             for req in reqs:

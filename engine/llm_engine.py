@@ -15,6 +15,7 @@ from engine.core.request import Request, RequestRejectedError, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.distributed import check_tensor_parallel
 from engine.executor.executor import create_executor
+from engine.lora.registry import LoRARegistry
 from engine.model_loader.loader import resolve_model
 from engine.model_loader.weight_loader import check_tokenizer
 from engine.multimodal.processor import ImageInputProcessor
@@ -55,6 +56,11 @@ class LLMEngine:
             raise ValueError("image models run with tensor_parallel_size 1 (the uni executor) yet")
         self.executor = create_executor(self.config, self.model_dir, self.hf_config)
         self.scheduler = Scheduler(self.config, self.executor.num_blocks, self.executor.kv_windows)
+        self.lora_registry = (  # the served LoRA adapters by name (--lora-modules)
+            LoRARegistry(self.config, self.executor, self.model_name)
+            if self.config.enable_lora
+            else None
+        )
         self.generation_config = read_generation_config(self.model_dir)
         self.eos_token_ids = declared_eos_ids(self.text_config, self.generation_config)
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -113,6 +119,7 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         mm_inputs: list | None = None,
+        lora_name: str | None = None,
     ) -> Request:
         """Builds and validates a request, once, for the server and the offline API alike.
 
@@ -143,6 +150,8 @@ class LLMEngine:
                 raise RequestRejectedError(msg, "messages", "model_not_multimodal")
             req.mm_inputs, req.mm_spans = list(mm_inputs), [i.span for i in mm_inputs]
         self.scheduler.check_fits(req)
+        if lora_name is not None:
+            self._set_lora(req, lora_name)
         if params.max_tokens is None:
             left = self.config.max_model_len - req.num_prompt_tokens
             req.sampling_params = replace(params, max_tokens=left)
@@ -150,10 +159,23 @@ class LLMEngine:
             req.grammar = self.grammar_compiler.compile(params.structured_outputs).new_matcher()
         return req
 
+    def _set_lora(self, req: Request, lora_name: str) -> None:
+        """The request runs under the adapter; its KV is salted with the adapter's content."""
+        lora = self.lora_registry.get(lora_name) if self.lora_registry else None
+        if lora is None:
+            msg = f"The model `{lora_name}` does not exist."
+            raise RequestRejectedError(msg, "model", "model_not_found")
+        req.lora_request = lora
+        req.cache_salt = lora.cache_salt
+
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_name: str | None = None,
     ) -> None:
-        self.add(self.make_request(request_id, prompt_token_ids, params))
+        self.add(self.make_request(request_id, prompt_token_ids, params, lora_name=lora_name))
 
     def add(self, req: Request) -> None:
         """Queues a request built by make_request (nothing is checked twice)."""
@@ -304,6 +326,7 @@ class LLMEngine:
             num_free_blocks=pool.get_num_free_blocks(),
             num_cached_free_blocks=pool.get_num_cached_free_blocks(),
             step_time=step_time,
+            lora_info=self._lora_info(),
             **_spec_stats(out),
             **self._mm_stats(),
         )
@@ -312,6 +335,15 @@ class LLMEngine:
         """The encoder's work this step (images run only in the uni executor's runner)."""
         mm = getattr(getattr(self.executor, "runner", None), "mm", None)
         return mm.take_stats() if mm is not None else {}
+    def _lora_info(self) -> tuple[int, str, str] | None:
+        if self.lora_registry is None:
+            return None
+        sched = self.scheduler
+
+        def names(reqs) -> str:
+            return ",".join(sorted({r.lora_request.name for r in reqs if r.lora_request}))
+
+        return self.config.max_loras, names(sched.running), names(sched.waiting)
 
 
 def _spec_stats(out: SchedulerOutput) -> dict:

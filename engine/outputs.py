@@ -120,3 +120,6 @@ class StepStats:
     finished: list[RequestMetrics] = field(default_factory=list)
     finished_reasons: list[str] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
+    # with --enable-lora: (max_loras, running adapters, waiting adapters), names comma-joined
+    # (vLLM's vllm:lora_requests_info labels); None without LoRA
+    lora_info: tuple[int, str, str] | None = None

@@ -14,6 +14,7 @@ from server.openai.chat import create_chat_completion
 from server.openai.completions import create_completion
 from server.openai.embeddings import EmbeddingRequest, create_embedding
 from server.openai.errors import APIError, error_response, install_error_handlers
+from server.openai.lora_adapters import install_lora_routes
 from server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -65,6 +66,7 @@ def build_app(
         _add_generation_routes(app, ctx)
     _add_pooling_routes(app, ctx)
     _add_tokenizer_routes(app, engine, ctx)
+    install_lora_routes(app, engine)  # with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING
 
     install_offline_docs(app)
     if kv_view is not None:
@@ -97,23 +99,28 @@ def _add_operational_routes(app: FastAPI, engine: AsyncEngine, metrics: Metrics)
 
 
 def _add_model_routes(app: FastAPI, engine: AsyncEngine, ctx: ServingContext) -> None:
-    """/v1/models and /v1/models/{model}: the one served model's card."""
+    """/v1/models and /v1/models/{model}: the served model's card, then each LoRA adapter's
+    (its `parent` the base model, as vLLM lists them)."""
 
-    def model_card() -> ModelCard:
+    def model_cards() -> list[ModelCard]:
         root = str(engine.model_dir)
         card = ModelCard(id=ctx.model_name, root=root, max_model_len=ctx.max_model_len)
         if getattr(engine, "mm_processor", None) is not None:  # a vision-language model
             card.input_modalities = ["text", "image"]
-        return card
+        cards = [card]
+        for lora in getattr(engine, "lora_adapters", ()):
+            parent = lora.base_model_name or ctx.model_name
+            cards.append(ModelCard(id=lora.name, root=lora.path, parent=parent))
+        return cards
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=model_cards())
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> ModelCard:
         ctx.check_model(model)
-        return model_card()
+        return next(card for card in model_cards() if card.id == model)
 
 
 def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:

@@ -95,8 +95,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     _add_parallel_args(p)
-    _add_multimodal_args(p)
-    _add_pooling_args(p)
+    _add_model_feature_args(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
@@ -180,6 +179,13 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_model_feature_args(p: argparse.ArgumentParser) -> None:
+    """Images, pooling (embeddings) and LoRA adapters."""
+    _add_multimodal_args(p)
+    _add_pooling_args(p)
+    _add_lora_args(p)
+
+
 def _add_pooling_args(p: argparse.ArgumentParser) -> None:
     """Pooling models (embeddings): engine/pooling_engine.py; names as vLLM's."""
     p.add_argument(
@@ -201,6 +207,34 @@ def _add_pooling_args(p: argparse.ArgumentParser) -> None:
         help="JSON set on the model's config before loading (pooling runner), e.g. Qwen3-"
         'Reranker\'s \'{"architectures": ["Qwen3ForSequenceClassification"], '
         '"classifier_from_token": ["no", "yes"]}\'; default none',
+    )
+
+
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    """Multi-LoRA serving, vLLM's flags (engine/lora/)."""
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters; a request picks one by its `model` field (default: off)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        metavar="NAME=PATH",
+        help="PEFT adapter folders as name=path or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (default: none)',
+    )
+    p.add_argument(
+        "--max-loras", type=int, default=1, help="adapter slots in one step (default: 1)"
+    )
+    p.add_argument(
+        "--max-lora-rank", type=int, default=16, help="largest adapter rank (default: 16)"
+    )
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        help="adapters kept loaded, least recently used evicted (default: --max-loras)",
     )
 
 

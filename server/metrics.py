@@ -122,6 +122,7 @@ class Metrics:
             self.used_blocks, self.total_blocks,
         )
         self._gauge_values: tuple = (None,) * len(self._gauges)
+        self._lora_gauge = self._lora_info = None  # created on the first LoRA engine step
         self._counters = (
             self.preemptions, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
             self.prefix_hits, self.mm_queries, self.mm_hits, self.mm_encoded,
@@ -239,10 +240,23 @@ class Metrics:
             self.iteration_tokens.observe(s.num_scheduled_tokens)
         if s.num_spec_drafts:
             self._observe_spec(s)
+        if s.lora_info is not None and s.lora_info != self._lora_info:
+            self._observe_lora(s.lora_info)
         for itl in s.inter_token_latencies:
             self.itl.observe(itl)
         for m, reason in zip(s.finished, s.finished_reasons):
             self.observe_finished(m, reason)
+
+    def _observe_lora(self, info: tuple[int, str, str]) -> None:
+        """vLLM's vllm:lora_requests_info: one series, labels the adapters running and waiting,
+        value the time they were seen (llm-d's LoRA-affinity routing reads it)."""
+        if self._lora_gauge is None:
+            labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+            doc = "Running stats on lora requests."
+            self._lora_gauge = Gauge(P + "lora_requests_info", doc, labels, registry=self.registry)
+        self._lora_gauge.clear()
+        self._lora_gauge.labels(str(info[0]), info[1], info[2]).set_to_current_time()
+        self._lora_info = info
 
     def _observe_spec(self, s: StepStats) -> None:
         self.spec_drafts.inc(s.num_spec_drafts)

@@ -84,6 +84,8 @@ class Request:
         # n > 1: the sibling (same prompt) this request is forked from once that one has
         # computed the prompt (engine/core/forks.py); None: an ordinary request.
         self.fork_parent_id: str | None = None
+        # the LoRA adapter this request runs under (engine/lora LoRARequest), None: the base
+        self.lora_request = None
 
     def block_extra_keys(self, start: int, end: int) -> bytes:
         """Extra hash keys of the block holding token positions [start, end)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core.block_pool import KVCacheBlock
@@ -20,6 +19,7 @@ from engine.core.forks import drop_fork_waiting, fork_ready, hold_for_fork
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestRejectedError, RequestStatus
 from engine.core.request_queue import RequestQueue
+from engine.core.scheduler_output import SchedulerOutput
 from engine.outputs import ModelRunnerOutput
 from engine.spec_decode.ngram import NgramProposer, SpecDecodeStats
 
@@ -27,44 +27,6 @@ logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
 _NO_NEW_BLOCKS: tuple[int, ...] = ()
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's batch, in execution order. Lists are parallel to `requests`.
-
-    Block ids are a delta the runner applies to its own copy of each block table: the table
-    starts over from `new_block_ids[i]` where `block_table_reset[i]` (first admission, or
-    readmission after preemption), otherwise `new_block_ids[i]` (often empty) is appended.
-    The tuples are the scheduler's snapshot of this step, never its live lists.
-    """
-
-    requests: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    num_computed_tokens: list[int] = field(default_factory=list)  # before this step
-    new_block_ids: list[tuple[int, ...]] = field(default_factory=list)  # allocated this step
-    block_table_reset: list[bool] = field(default_factory=list)  # True: the table starts over
-    # Models with several KV cache groups: per request, groups 1.. in order, the same delta as
-    # new_block_ids (which is group 0's). Empty for one group.
-    group_new_block_ids: list[tuple[tuple[int, ...], ...]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    num_new_requests: int = 0  # admitted from the waiting queue this step
-    finished_req_ids: list[str] = field(default_factory=list)  # finished since the last step
-    # request id -> draft tokens scheduled after its newest token (speculative decoding): the
-    # request's num_scheduled_tokens is 1 + len(drafts)
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    spec_stats: SpecDecodeStats | None = None  # filled by update_from_output when drafts ran
-    # (src, dst) KV block copies (copy-on-write after a fork) the runner runs before the
-    # forward pass, all read before any is written; every dst appears once.
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
 
 
 class Scheduler:
@@ -301,9 +263,7 @@ class Scheduler:
     def _add_group_deltas(self, out: SchedulerOutput, request_id: str, num_before: list[int]):
         """Group 0's new ids (returned) and the other groups' (appended to the output)."""
         kv = self.kv_cache_manager
-        deltas = [
-            tuple(kv.get_block_ids(request_id, g)[n:]) for g, n in enumerate(num_before)
-        ]
+        deltas = [tuple(kv.get_block_ids(request_id, g)[n:]) for g, n in enumerate(num_before)]
         out.group_new_block_ids.append(tuple(deltas[1:]))
         return deltas[0]
 
@@ -326,6 +286,8 @@ class Scheduler:
         now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
+            if req.lora_request is not None and not self._lora_fits(req):
+                break  # --max-loras adapters run already: the head waits its turn (FCFS)
             hits, num_hit_tokens = kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             if kv.allocate_slots(req, num_new, hits, num_hit_tokens) is None:
@@ -341,6 +303,11 @@ class Scheduler:
             self._add_to_batch(out, req, num_new, num_hit_tokens)
             out.num_new_requests += 1
             budget -= num_new
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether req's LoRA adapter may join the running ones (at most --max-loras)."""
+        running = {r.lora_request.content_hash for r in self.running if r.lora_request}
+        return req.lora_request.content_hash in running or len(running) < self.config.max_loras
 
     def _add_to_batch(self, out: SchedulerOutput, req: Request, num_new: int, computed: int):
         out.requests.append(req)

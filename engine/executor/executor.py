@@ -80,6 +80,13 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stops every worker this process started; idempotent."""
 
+    def add_lora(self, lora_request) -> None:
+        """Loads and checks a LoRA adapter where the model runs (engine/lora/)."""
+        raise ValueError("LoRA adapters need the uni executor")
+
+    def remove_lora(self, lora_request) -> None:
+        raise ValueError("LoRA adapters need the uni executor")
+
 
 def create_executor(config: EngineConfig, model_dir, hf_config) -> Executor:
     if config.distributed_executor_backend == "uni":
@@ -111,6 +118,12 @@ class UniProcExecutor(Executor):
 
     def shutdown(self) -> None:
         pass
+
+    def add_lora(self, lora_request) -> None:
+        self.runner.lora.add(lora_request)
+
+    def remove_lora(self, lora_request) -> None:
+        self.runner.lora.remove(lora_request)
 
 
 # ---- the wire ------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from engine.distributed import get_tp, min_across_ranks
 from engine.dtype import resolve_dtype
 from engine.layers import Attention, GroupedAttentionMetadata, select_impls
 from engine.layers.quantization.apply import describe_quantized, mark_quantized
+from engine.lora.manager import LoRAManager
 from engine.model_loader.weight_loader import load_checked
 from engine.models import check_model_config, get_model_class
 from engine.multimodal.embedder import MultiModalEmbedder
@@ -75,6 +76,10 @@ class ModelRunner:
         check_model_config(hf_config, config.max_model_len)  # one line, before any weight is read
         self.model = load_model(
             model_dir, hf_config, self.backend, self.dtype, self.device, config.quantization
+        )
+        # LoRA: adapters added to the decoder linears, a per-token adapter index each step
+        self.lora = (
+            LoRAManager(self.model, config, self.dtype, self.device) if config.enable_lora else None
         )
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)
@@ -279,17 +284,7 @@ class ModelRunner:
         if out.block_copies:  # copy-on-write after a fork: before anything writes KV
             copy_blocks(self.kv_caches, out.block_copies)
         input_ids, positions, meta, logits_rows, sample_idx = self.prepare_inputs(out)
-        graphs = self.decode_graphs
-        fused = self.fused_decode
-        embeds = self.mm.inputs_embeds(out, input_ids) if self.mm is not None else None
-        if embeds is not None:  # image placeholder tokens in this step: their embeddings
-            hidden = self.model(input_ids, positions, meta, self.kv_caches, inputs_embeds=embeds)
-        elif graphs is not None and graphs.can_run(meta):
-            hidden = graphs.run(input_ids, positions, meta)
-        elif fused is not None and fused.can_run(meta):
-            hidden = fused.run(input_ids, positions, meta, self.kv_caches)
-        else:
-            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        hidden = self._forward(out, input_ids, positions, meta)
         sampled: list[int | None] = [None] * len(out.requests)
         result = ModelRunnerOutput(sampled_token_ids=sampled)
         if logits_rows:
@@ -306,6 +301,22 @@ class ModelRunner:
                 result.logprobs = sampler_out.logprobs
         result.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, out)
         return result
+
+    def _forward(self, out: SchedulerOutput, input_ids, positions, meta) -> torch.Tensor:
+        """The step's hidden states: through image embeddings, a CUDA graph, the fused decode
+        step or the per-layer model, whichever applies first."""
+        graphs = self.decode_graphs
+        fused = self.fused_decode
+        if self.lora is not None and self.lora.prepare(out.requests, out.num_scheduled_tokens):
+            graphs = fused = None  # adapters in the batch: the per-layer path (logged once)
+        embeds = self.mm.inputs_embeds(out, input_ids) if self.mm is not None else None
+        if embeds is not None:  # image placeholder tokens in this step: their embeddings
+            return self.model(input_ids, positions, meta, self.kv_caches, inputs_embeds=embeds)
+        if graphs is not None and graphs.can_run(meta):
+            return graphs.run(input_ids, positions, meta)
+        if fused is not None and fused.can_run(meta):
+            return fused.run(input_ids, positions, meta, self.kv_caches)
+        return self.model(input_ids, positions, meta, self.kv_caches)
 
     def _sample_with_drafts(
         self, out: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int], result
@@ -443,9 +454,7 @@ class BlockTables:
         rows = np.empty(len(out.requests), dtype=np.int64)
         row_of, num_filled = self.row_of, self.num_filled
         deltas = out.new_block_ids if new_block_ids is None else new_block_ids
-        for i, (req, new_ids, reset) in enumerate(
-            zip(out.requests, deltas, out.block_table_reset)
-        ):
+        for i, (req, new_ids, reset) in enumerate(zip(out.requests, deltas, out.block_table_reset)):
             rid = req.request_id
             row = row_of.get(rid)
             if row is None:

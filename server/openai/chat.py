@@ -230,7 +230,7 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request
     choices = plan_choices(f"{request_id}-{uuid.uuid4().hex[:8]}", [prompt_ids], [params])
     for c in choices:
         c.mm_inputs = mm_inputs
-    make_requests(ctx, choices, "messages")
+    make_requests(ctx, choices, "messages", body.model)
     return ChatRun(request_id, prompt_ids, choices, plan)
 
 
@@ -258,7 +258,10 @@ class ChatDriver(ChunkStreamDriver):
     def opening(self) -> list[str]:
         created = int(time.time())  # one id and one created per stream
         self.head = ChatCompletionChunk(
-            id=self.request_id, created=created, model=self.ctx.model_name, choices=[]
+            id=self.request_id,
+            created=created,
+            model=self.ctx.response_model(self.choices),
+            choices=[],
         )
         self.envelope = ChunkEnvelope(self.head, None if self.include_usage else {"usage"})
         # the role goes in each choice's first delta, and only there
@@ -271,7 +274,7 @@ class ChatDriver(ChunkStreamDriver):
     def response_body(self) -> dict:
         resp = ChatCompletionResponse(
             id=self.request_id,
-            model=self.ctx.model_name,
+            model=self.ctx.response_model(self.choices),
             choices=[f.message_choice() for f in self.formatters],
             usage=self.usage(),
         )

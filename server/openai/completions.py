@@ -96,7 +96,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest):
     # Engine ids stay unique even when a client reuses its X-Request-Id.
     base_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
     choices = plan_choices(base_id, prompts, [params] * len(prompts))
-    make_requests(ctx, choices, "prompt")
+    make_requests(ctx, choices, "prompt", body.model)
     echoes = _echo_texts(ctx, body, prompts)
     formatters = [CompletionChoiceFormatter(ctx, c, echoes[c.prompt_idx], body) for c in choices]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -120,7 +120,9 @@ class CompletionDriver(ChunkStreamDriver):
     def __init__(self, ctx, request_id, prompts, choices, formatters, include_usage: bool):
         super().__init__(ctx, prompts, choices)
         self.formatters, self.include_usage = formatters, include_usage
-        self.head = CompletionResponse(id=request_id, model=ctx.model_name, choices=[])
+        self.head = CompletionResponse(
+            id=request_id, model=ctx.response_model(choices), choices=[]
+        )
         self.deltas: list[list[CompletionChoice]] = [[] for _ in choices]
         self.envelope: ChunkEnvelope | None = None
 

@@ -52,8 +52,22 @@ class ServingContext:
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
-            msg = f"The model `{requested}` does not exist."
-            raise APIError(404, msg, "NotFoundError", "model", "model_not_found")
+            if self.lora_name_for(requested) is None:
+                msg = f"The model `{requested}` does not exist."
+                raise APIError(404, msg, "NotFoundError", "model", "model_not_found")
+
+    def response_model(self, choices: list[ChoiceRequest]) -> str:
+        """The `model` a response names: the LoRA adapter its requests ran under, as vLLM."""
+        req = choices[0].request if choices else None
+        lora = req.lora_request if req is not None else None
+        return lora.name if lora is not None else self.model_name
+
+    def lora_name_for(self, requested: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the base model."""
+        if requested is None or requested == self.model_name:
+            return None
+        names = {lora.name for lora in self.engine.lora_adapters}
+        return requested if requested in names else None
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """For /detokenize; generation requests are checked by the engine's make_request."""
@@ -138,20 +152,22 @@ def plan_choices(
     ]
 
 
-def make_requests(ctx: ServingContext, choices: list[ChoiceRequest], prompt_param: str) -> None:
+def make_requests(
+    ctx: ServingContext, choices: list[ChoiceRequest], prompt_param: str, model: str | None = None
+) -> None:
     """Every refusal (400 / 503), once per choice, before any output: the engine's Requests.
 
     The engine names prompt problems (vocabulary, context length) "prompt"; the endpoint's
-    field for them is `prompt_param` ("messages" for chat).
+    field for them is `prompt_param` ("messages" for chat). `model` (the body's) picks a LoRA
+    adapter when it names one.
     """
+    lora = ctx.lora_name_for(model)
     for c in choices:
         try:
-            if c.mm_inputs:
-                c.request = ctx.engine.make_request(
-                    c.request_id, c.prompt_ids, c.params, c.mm_inputs
-                )
-            else:
-                c.request = ctx.engine.make_request(c.request_id, c.prompt_ids, c.params)
+            kwargs = {"mm_inputs": c.mm_inputs} if c.mm_inputs else {}
+            if lora is not None:
+                kwargs["lora_name"] = lora
+            c.request = ctx.engine.make_request(c.request_id, c.prompt_ids, c.params, **kwargs)
         except Exception as e:  # noqa: BLE001 - mapped to 400 / 503 by engine_error
             err = engine_error(e)
             if err.param == "prompt":

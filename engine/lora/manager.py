@@ -1,0 +1,160 @@
+"""The runner's side of multi-LoRA: adapters kept loaded, the step's slots, the per-token index.
+
+Adapters are keyed by content hash: a reload with new weights under an old name is a new
+adapter (new slot contents, new prefix-cache salt). At most --max-cpu-loras stay loaded (LRU);
+one evicted and asked for again is read back from its folder. A step's distinct adapters take
+the --max-loras slots (a slot already holding one is reused without a copy).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.layers.lora import LoRABatch, LoRALinearWeights, wrap_lora
+from engine.lora.adapter import BaseShapes, LoRAAdapter, load_adapter
+from engine.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+def _linears_of(layer: nn.Module) -> dict[str, nn.Module]:
+    """The decoder layer's dense projections that adapters can target (an MoE MLP has none)."""
+    found = {}
+    for owner in (getattr(layer, "self_attn", None), getattr(layer, "mlp", None)):
+        for name in _PARTS:
+            lin = getattr(owner, name, None) if owner is not None else None
+            if lin is not None and hasattr(lin, "in_features"):
+                found[name] = lin
+    return found
+
+
+def _part_sizes(name: str, lin: nn.Module) -> list[int]:
+    if name == "qkv_proj":
+        return [lin.q_size, lin.kv_size, lin.kv_size]
+    if name == "gate_up_proj":
+        return [lin.part_size, lin.part_size]
+    return [lin.out_features]
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, config, dtype, device) -> None:
+        self.max_rank = config.max_lora_rank
+        self.max_cpu_loras = config.max_cpu_loras or config.max_loras
+        self.batch = LoRABatch(config.max_loras, self.max_rank, dtype, device)
+        self.device = device
+        self.layers: list[dict[str, LoRALinearWeights]] = []
+        modules: dict[str, tuple[int, int]] = {}
+        layer_modules: list[frozenset[str]] = []
+        for layer in model.model.layers:
+            found = {}
+            for name, lin in _linears_of(layer).items():
+                sizes = _part_sizes(name, lin)
+                weights = LoRALinearWeights(lin.in_features, sizes, self.batch, dtype, device)
+                wrap_lora(lin, weights)
+                found[name] = weights
+                for hf_name, size in zip(_PARTS[name], sizes):
+                    modules[hf_name] = (lin.in_features, size)
+            self.layers.append(found)
+            layer_modules.append(frozenset(hf for name in found for hf in _PARTS[name]))
+        self.shapes = BaseShapes(modules, layer_modules)
+        self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # content hash -> adapter
+        self._lock = threading.Lock()  # load/unload come from the server's threads
+        self.slots: list[str | None] = [None] * config.max_loras
+        self.slot_scaling = torch.zeros(config.max_loras, dtype=torch.float32, device=device)
+        self._warned_slots = self._logged_fallback = False
+
+    # ---- adapters ----------------------------------------------------------------------------
+    def add(self, request: LoRARequest) -> LoRAAdapter:
+        """Loads and checks an adapter (LoRAError naming the file and tensor), keeps it LRU.
+
+        The files are read outside the lock: a load from the server never holds up a step."""
+        key = request.content_hash
+        with self._lock:
+            adapter = self.loaded.get(key)
+        if adapter is None:
+            adapter = load_adapter(request, self.shapes, self.max_rank)
+        with self._lock:
+            self.loaded[key] = self.loaded.get(key, adapter)
+            self.loaded.move_to_end(key)
+            while len(self.loaded) > self.max_cpu_loras:
+                evicted, _ = self.loaded.popitem(last=False)
+                logger.info("LoRA: adapter %s evicted from memory (--max-cpu-loras)", evicted[:12])
+            return self.loaded[key]
+
+    def remove(self, request: LoRARequest) -> None:
+        """Drops the loaded copy; a slot holding it keeps serving requests already running."""
+        with self._lock:
+            self.loaded.pop(request.content_hash, None)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def prepare(self, requests, num_scheduled_tokens) -> bool:
+        """Sets the per-token adapter index of the step; False (base path) when no request of
+        the batch has an adapter."""
+        keys = [r.lora_request.content_hash if r.lora_request else None for r in requests]
+        distinct = list(dict.fromkeys(k for k in keys if k is not None))
+        if not distinct:
+            self.batch.set(None, None)
+            return False
+        if not self._logged_fallback:
+            self._logged_fallback = True
+            logger.info(
+                "LoRA: batches with adapters run the per-layer path; the fused decode step and "
+                "CUDA graphs serve base-only batches"
+            )
+        slot_of = self._assign_slots(distinct, requests, keys)
+        per_req = np.fromiter((slot_of.get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+        counts = np.fromiter(num_scheduled_tokens, dtype=np.int64, count=len(keys))
+        token_slots = torch.from_numpy(np.repeat(per_req, counts)).to(self.device)
+        self.batch.set(token_slots, self.slot_scaling, int(per_req.max()) + 1)
+        return True
+
+    def _assign_slots(self, distinct: list[str], requests, keys) -> dict[str, int]:
+        if len(distinct) > len(self.slots):
+            self._grow(len(distinct))
+        slot_of = {k: i for i, k in enumerate(self.slots) if k in distinct}
+        free = [i for i, k in enumerate(self.slots) if k not in slot_of]  # lowest first
+        by_key = {k: r.lora_request for r, k in zip(requests, keys) if k is not None}
+        for key in distinct:
+            if key not in slot_of:
+                slot_of[key] = slot = free.pop(0)
+                self._write_slot(slot, self.add(by_key[key]))
+        return slot_of
+
+    def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        for layer, linears in enumerate(self.layers):
+            for name, weights in linears.items():
+                parts = [adapter.weights.get((layer, hf)) for hf in _PARTS[name]]
+                weights.set_slot(slot, parts)
+        self.slots[slot] = adapter.request.content_hash
+        self.slot_scaling[slot] = adapter.scaling
+
+    def _grow(self, num_slots: int) -> None:
+        """More distinct adapters in one step than --max-loras slots: widen the stacks."""
+        if not self._warned_slots:
+            logger.warning(
+                "LoRA: a step has %d distinct adapters, more than --max-loras %d; widening",
+                num_slots,
+                len(self.slots),
+            )
+            self._warned_slots = True
+        extra = num_slots - len(self.slots)
+        for linears in self.layers:
+            for weights in linears.values():
+                weights.grow(extra)
+        self.slots += [None] * extra
+        pad = torch.zeros(extra, dtype=self.slot_scaling.dtype, device=self.device)
+        self.slot_scaling = torch.cat([self.slot_scaling, pad])
+        self.batch.num_slots = num_slots
