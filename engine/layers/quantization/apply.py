@@ -47,7 +47,7 @@ def mark_quantized(model: nn.Module, method: str | None, model_dir=None,
             raise ValueError(
                 f"quantization 'gguf' needs a .gguf model; {model_dir} holds no GGUF blocks"
             )
-        return mark_gguf(model, model_dir, "packed")
+        return mark_gguf(model, model_dir, "packed", flag="--quantization gguf")
     if method not in QUANTIZATION_METHODS:
         supported = list(QUANTIZATION_METHODS)
         raise ValueError(f"quantization must be one of {supported}, got {method!r}")
@@ -97,7 +97,7 @@ def linear_weight_bytes(model: nn.Module) -> dict[str, int]:
 
 
 # ---- which tensors of a model folder are served packed ------------------------------------------
-def gguf_mode(model: nn.Module, gguf_weights: str) -> tuple[str, str]:
+def gguf_mode(model: nn.Module, gguf_weights: str, flag: str | None = None) -> tuple[str, str]:
     """(packed | dense | auto, why) for a GGUF folder's linears. $PAGEDSERVE_GGUF_PACKED 1 or 0
     wins (packed, dense); packed blocks live on one CPU rank only; auto is dense in float32
     (the exact path: transformers' greedy tokens) and without the CPU kernels."""
@@ -109,7 +109,7 @@ def gguf_mode(model: nn.Module, gguf_weights: str) -> tuple[str, str]:
         # the packed tensors live on the CPU, and the linears bind without the all-reduce
         return "dense", "packed weights are served on one CPU rank only"
     if gguf_weights != "auto":
-        return gguf_weights, f"--gguf-weights {gguf_weights}"
+        return gguf_weights, flag or f"--gguf-weights {gguf_weights}"
     if param.dtype == torch.float32:
         return "dense", "float32 is the exact path (greedy tokens equal transformers')"
     ops = load_cpu_ops()
@@ -123,7 +123,8 @@ def gguf_mode(model: nn.Module, gguf_weights: str) -> tuple[str, str]:
     return "auto", f"auto: packed up to {max_rows} rows, dense above"
 
 
-def mark_gguf(model: nn.Module, model_dir: Path, gguf_weights: str = "auto") -> int:
+def mark_gguf(model: nn.Module, model_dir: Path, gguf_weights: str = "auto",
+              flag: str | None = None) -> int:
     """Marks the Linears of model (decoder layers and lm_head) whose GGUF blocks model_dir holds
     in a type of GGUF_TYPES, with their parts (and under auto, gguf_dense: keep a dense copy
     too); returns how many. Nothing when the folder has no BLOCKS_FILE or gguf_mode says dense.
@@ -131,7 +132,7 @@ def mark_gguf(model: nn.Module, model_dir: Path, gguf_weights: str = "auto") -> 
     path = Path(model_dir) / BLOCKS_FILE
     if not path.is_file():
         return 0
-    mode, why = gguf_mode(model, gguf_weights)
+    mode, why = gguf_mode(model, gguf_weights, flag)
     model.gguf_weights = (mode, why)  # describe_gguf's line
     if mode == "dense":
         logger.info("gguf: weights dense (dequantized), %s", why)
