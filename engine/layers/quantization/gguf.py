@@ -62,7 +62,7 @@ GGUF_PACKED_ENV = "PAGEDSERVE_GGUF_PACKED"  # unset: --gguf-weights decides; 1 p
 # one thread, CPU clock, AMD EPYC Zen 4 without AMX (2026-12-05), packed VNNI / dense bf16 time:
 #   135M layers M = 1: 0.55, 4: 0.62, 16: 0.76, 32: 0.78, 64: 0.70, 128: 0.73, 256: 0.74-0.76,
 #   512: 0.75 (1.50 with the whole-weight dequantize); lm_head 0.52 .. 0.75, 512: 0.75 (1.98)
-#   1B layers M = 1: 0.45-0.48, 32: 0.71-0.74, 256: 0.75-0.76, 512: see bench/README.md
+#   1B layers M = 1: 0.45-0.48, 32: 0.71-0.74, 256: 0.75-0.76, 512: 0.77 (1.58 dequantizing)
 # so on VNNI there is no crossover: packed wins at every row count and auto holds no dense copy.
 # With AMX the dense copy runs on AMX tiles: gguf_gemm took 2.2x its time at 32 rows even with
 # the weight in cache, and VNNI and gguf_gemm tie at 8 rows (bench/results/HISTORY.md,
