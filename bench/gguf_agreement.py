@@ -3,8 +3,9 @@
 For each GGUF type, three servers answer the same prompts (token ids, so no tokenizer differs),
 temperature 0, with the chosen token's logprob:
     llamacpp      bench/.llamacpp/bin/llama-server (bench/install_llamacpp.sh) on the file
-    packed        pagedserve serve FILE --quantization gguf --dtype bfloat16 (weights stay packed)
-    dequantized   pagedserve serve FILE --dtype bfloat16 (dequantized at load)
+    default       pagedserve serve FILE --dtype bfloat16 (--gguf-weights auto: packed blocks for
+                  decode-sized calls, engine/layers/quantization/gguf.py)
+    dense         pagedserve serve FILE --dtype bfloat16 --gguf-weights dense (dequantized)
 and the table gives, per pair, the prompts whose whole answer is equal, the mean length of the
 common prefix of tokens, and the mean |logprob difference| over that prefix. Exact equality is
 not expected across engines (other kernels round differently); the common prefix says how
@@ -146,15 +147,15 @@ def main() -> None:
             "llamacpp": [str(LLAMACPP_BIN), "-m", str(gguf), "--alias", "bench", "--host",
                          "127.0.0.1", "--port", port, "-np", "1", "-c", "2048", "-t", threads,
                          "--no-webui"],
-            "packed": [*serve, "--quantization", "gguf"],
-            "dequantized": serve,
+            "default": serve,
+            "dense": [*serve, "--gguf-weights", "dense"],
         }
         got = {}
         for name, cmd in cmds.items():
             log = args.out / f"{qtype}-{name}.log"
             got[name] = answers(cmd, args.port, prompts, args.max_tokens, log)
             print(f"{qtype} {name}: done", file=sys.stderr, flush=True)
-        pairs = (("packed", "llamacpp"), ("dequantized", "llamacpp"), ("packed", "dequantized"))
+        pairs = (("default", "llamacpp"), ("dense", "llamacpp"), ("default", "dense"))
         for a, b in pairs:  # printed as each type finishes: a long run keeps what it measured
             r = {"type": qtype, "pair": f"{a} vs {b}", **compare(got[a], got[b])}
             rows.append(r)

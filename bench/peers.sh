@@ -14,9 +14,11 @@
 # pagedserve variants (PAGEDSERVE_VARIANTS, space-separated; '+' joins a base and modifiers):
 #   bf16            the default model's HF folder, --dtype bfloat16
 #   int8            the same with --quantization int8
-#   gguf-TYPE       the GGUF file of TYPE (BF16, Q8_0, Q4_K_M, ...) from bench/make_gguf.py,
-#                   dequantized to bf16 at load
-#   ...+packed      adds --quantization gguf (a GGUF's quantized linears stay packed)
+#   gguf-TYPE       the GGUF file of TYPE (BF16, Q8_0, Q4_K_M, ...) from bench/make_gguf.py
+#                   (Q4_1: the embedded default's own file), served as by default
+#                   (--gguf-weights auto)
+#   ...+packed      adds --gguf-weights packed (only the packed blocks, least memory)
+#   ...+dense       adds --gguf-weights dense (dequantized to bf16 at load: the old default)
 #   ...+ngram       adds --speculative-config "$NGRAM_CONFIG" (n-gram prompt lookup)
 # Workloads (bench/serve.py): std, prefix, repeat (the output repeats a prompted function).
 #
@@ -201,7 +203,8 @@ start_pagedserve() {  # $1: variant (see the top); sets WEIGHTS
   for m in ${mods//+/ }; do
     case $m in
       ngram) args+=(--speculative-config "$NGRAM_CONFIG") ;;
-      packed) args+=(--quantization gguf) ;;
+      packed) args+=(--gguf-weights packed) ;;
+      dense) args+=(--gguf-weights dense) ;;
       *) echo "unknown pagedserve modifier $m in $1"; return 1 ;;
     esac
   done

@@ -10,6 +10,8 @@ from engine.spec_decode.ngram import SpeculativeConfig
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _EXECUTORS = ("uni", "mp")
+# --gguf-weights: a GGUF's quantized linears on CPU (engine/layers/quantization/gguf.py)
+GGUF_WEIGHTS = ("auto", "packed", "dense")
 QUANTIZATION_METHODS = ("int8", "gguf")  # --quantization (engine/layers/quantization/int8.py)
 # Per-step token budget when none is given. CPU steps hold at most 512 tokens so prompts finish
 # one after another and wait less for their first token (throughput within noise); GPUs keep
@@ -31,6 +33,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     dtype: str = "auto"
     quantization: str | None = None  # None: weights in dtype; "int8": W8A8 decoder linears
+    # auto: packed blocks for decode-sized calls, dense above; packed: least memory; dense:
+    # dequantized to dtype (float32: transformers' greedy tokens). A GGUF only.
+    gguf_weights: str = "auto"
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
@@ -134,6 +139,12 @@ class EngineConfig:
         if self.quantization is not None and self.tensor_parallel_size > 1:
             # the int8 linears bind their own forward, without the row-parallel all-reduce
             raise ValueError("quantization is not supported with tensor_parallel_size > 1 yet")
+        if self.gguf_weights not in GGUF_WEIGHTS:
+            raise ValueError(f"gguf_weights must be one of {list(GGUF_WEIGHTS)}, "
+                             f"got {self.gguf_weights!r}")
+        if self.quantization == "gguf" and self.gguf_weights == "dense":
+            raise ValueError("quantization 'gguf' serves the packed blocks; drop it for "
+                             "gguf_weights 'dense'")
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}")
 

