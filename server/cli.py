@@ -276,6 +276,10 @@ def build_server(args: argparse.Namespace, state=None):
     engine = LLMEngine(engine_config(args))
     print(f"pagedserve: attention backend: {engine.executor.backend_name}", flush=True)
     metrics = Metrics(engine.model_name)
+    metrics.cache_config_info(
+        engine.config.block_size, engine.executor.num_blocks,
+        enable_prefix_caching=engine.config.enable_prefix_caching,
+    )
     if state is not None:
         metrics.watch_connections(state.connections)
     metrics.observe(engine.snapshot_stats())  # block gauges read true before the first step
