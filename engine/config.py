@@ -47,6 +47,8 @@ class EngineConfig:
     grammar_compile_timeout: float = 10.0  # seconds; a slower grammar is refused (400)
     # n-gram speculative decoding (engine/spec_decode/ngram.py); JSON text or a dict is parsed here
     speculative_config: SpeculativeConfig | None = None
+    # KV-cache events for routers (engine/kv_events.py): vLLM's JSON keys, text or a dict
+    kv_events_config: object | None = None
 
     def __post_init__(self) -> None:
         """Fills the defaults left unset, then checks every field (the first bad one raises)."""
@@ -59,6 +61,11 @@ class EngineConfig:
         if not self.grammar_compile_timeout > 0:
             raise ValueError("grammar_compile_timeout must be positive")
         self._check_speculative()
+        if self.kv_events_config is not None:
+            from engine.kv_events import KVEventsConfig
+
+            parsed = KVEventsConfig.parse(self.kv_events_config)
+            object.__setattr__(self, "kv_events_config", parsed)
 
     def _resolve_defaults(self) -> None:
         if self.block_size is None:  # resolved once here, so every reader sees one number

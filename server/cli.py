@@ -93,6 +93,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     _add_parallel_args(p)
+    _add_fleet_args(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
@@ -140,6 +141,17 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
         "--headless",
         action="store_true",
         help="run only this host's model workers (node rank > 0), no HTTP server",
+    )
+
+
+def _add_fleet_args(p: argparse.ArgumentParser) -> None:
+    """What routers read beside /metrics (engine/kv_events.py), named as vLLM's."""
+    p.add_argument(
+        "--kv-events-config",
+        help="KV-cache events for prefix-aware routers, vLLM's JSON keys, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; the events carry prompt '
+        "token ids; default off",
     )
 
 
