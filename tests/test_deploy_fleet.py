@@ -154,6 +154,8 @@ def test_router_reads_each_replicas_events_where_the_replica_binds_them(where):
         assert replay[url] == f"tcp://{host}:{config.replay_endpoint.rsplit(':', 1)[1]}"
         block = args[args.index("--block-size") + 1]
         assert router[router.index("--kv-event-block-size") + 1] == block
+        model = args[args.index("--served-model-name") + 1]  # the router's model identity
+        assert router[router.index("--kv-event-model") + 1] == model
     router_bin = shutil.which("vllm-router")
     if router_bin is not None:  # the flags are the installed router's own
         help_text = subprocess.run([router_bin, "--help"], capture_output=True, text=True).stdout
