@@ -54,9 +54,10 @@ def start_router(policy: str, replicas: list[str], events: list[int], block_size
     port = free_port()
     model = httpx.get(replicas[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
     cmd = [shutil.which("vllm-router") or "vllm-router", "--host", "127.0.0.1", "--port",
-           str(port), "--policy", policy, "--worker-urls", *replicas,
-           "--kv-event-block-size", str(block_size), "--kv-event-model", model]
-    for url, ev in zip(replicas, events):
+           str(port), "--policy", policy, "--worker-urls", *replicas]
+    if policy == "kv_aware":  # the router refuses event sources under any other policy
+        cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
+    for url, ev in zip(replicas, events if policy == "kv_aware" else []):
         cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{ev}"]
         cmd += ["--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{ev + 1}"]
     log = open(f"/tmp/fleet-router-{policy}.log", "w")  # noqa: SIM115
@@ -155,6 +156,7 @@ def main() -> None:
                                                   args.max_tokens))
                 h1, q1 = cache_counters(replicas)
                 results[policy]["hit_rate"] = (h1 - h0) / max(q1 - q0, 1)
+                print(policy, results[policy], flush=True)
             finally:
                 proc.terminate()
                 proc.wait(10)
