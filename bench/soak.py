@@ -209,8 +209,8 @@ async def kv_blocks(client: httpx.AsyncClient, idle_timeout: float = 60.0) -> di
 def gauges(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
-        if line.startswith("pagedserve:") and "{" in line:
-            name = line.split("{", 1)[0].removeprefix("pagedserve:")
+        if line.startswith(("pagedserve:", "vllm:")) and "{" in line:
+            name = line.split("{", 1)[0].split(":", 1)[1]
             out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 

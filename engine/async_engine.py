@@ -81,12 +81,18 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        """The loop runs and no model worker has died (the executor's watcher tells at once)."""
+        return self._thread.is_alive() and self.error is None and not self.engine.executor.dead
+
+    @property
+    def dead_worker(self) -> str | None:
+        """Why the model's workers can run no more steps (one died), or None."""
+        return self.engine.executor.dead
 
     def check_health(self) -> None:
         """EngineDeadError unless the loop runs (what /health and /ping answer from)."""
         if not self.is_alive:
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError(self.dead_worker or "the engine is not running")
 
     # ---- what the server may read --------------------------------------------------------
     @property

@@ -73,6 +73,8 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # KV-cache events for routers (engine/kv_events.py): vLLM's JSON keys, text or a dict
+    kv_events_config: object | None = None
 
     def __post_init__(self) -> None:
         """Fills the defaults left unset, then checks every field (the first bad one raises)."""
@@ -87,6 +89,11 @@ class EngineConfig:
         self._check_speculative()
         self._check_media()
         self._check_lora()
+        if self.kv_events_config is not None:
+            from engine.kv_events import KVEventsConfig
+
+            parsed = KVEventsConfig.parse(self.kv_events_config)
+            object.__setattr__(self, "kv_events_config", parsed)
 
     def _check_lora(self) -> None:
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))

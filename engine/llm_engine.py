@@ -15,6 +15,7 @@ from engine.core.request import Request, RequestRejectedError, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.distributed import check_tensor_parallel
 from engine.executor.executor import create_executor
+from engine.kv_events import create_publisher, to_events
 from engine.lora.registry import LoRARegistry
 from engine.model_loader.loader import resolve_model
 from engine.model_loader.weight_loader import check_tokenizer
@@ -79,6 +80,10 @@ class LLMEngine:
             SpecDecodeStats.empty(spec.num_speculative_tokens) if spec is not None else None
         )
         self._spec_logged_at = time.monotonic()
+        # KV-cache events: the scheduler runs here, in rank 0's process, so they go out once
+        self.kv_events = create_publisher(self.config.kv_events_config)
+        if self.kv_events is not None:
+            self.scheduler.kv_cache_manager.enable_kv_events()
         logger.info(
             "engine ready: model=%s dtype=%s device=%s backend=%s blocks=%d x %d tokens "
             "max_model_len=%d executor=%s tensor_parallel_size=%d speculative=%s",
@@ -100,8 +105,10 @@ class LLMEngine:
         return self.executor.runner
 
     def shutdown(self) -> None:
-        """Stops the model's worker processes, if any."""
+        """Stops the model's worker processes, if any, and the KV-event publisher."""
         self.executor.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (as vLLM applies them
@@ -229,7 +236,16 @@ class LLMEngine:
                 stats.finished_reasons.append(out.outputs[0].finish_reason)
         if sched_out.spec_stats is not None:
             self._add_spec_stats(sched_out.spec_stats, now)
+        if self.kv_events is not None:
+            self.publish_kv_events()
         return outputs, stats
+
+    def publish_kv_events(self) -> None:
+        """This step's KV-cache events as one batch (none: nothing is sent)."""
+        log = self.scheduler.kv_cache_manager.take_kv_events()
+        if log:
+            windows = self.executor.kv_windows
+            self.kv_events.publish(to_events(log, self.config.block_size, windows))
 
     def _add_spec_stats(self, step: SpecDecodeStats, now: float) -> None:
         total = self.spec_decode_totals

@@ -23,6 +23,7 @@ from server.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from server.openai.render import render_chat_completion, render_completion
 from server.openai.responses import create_response
 from server.openai.responses_protocol import ResponsesRequest
 from server.openai.score import RerankRequest, ScoreRequest, create_rerank, create_score
@@ -175,7 +176,7 @@ def _add_refused_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 
 def _add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, ctx: ServingContext) -> None:
-    """/tokenize, /detokenize and /tokenizer_info."""
+    """/tokenize, /detokenize, /tokenizer_info and the render endpoints."""
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest):
@@ -184,6 +185,15 @@ def _add_tokenizer_routes(app: FastAPI, engine: AsyncEngine, ctx: ServingContext
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest):
         return detokenize(ctx, body)
+
+    # vLLM's render endpoints: what /v1/completions and /v1/chat/completions would run
+    @app.post("/v1/completions/render")
+    async def completions_render(body: CompletionRequest) -> list[dict]:
+        return await render_completion(ctx, body)
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_completions_render(body: ChatCompletionRequest) -> dict:
+        return await render_chat_completion(ctx, body)
 
     info = tokenizer_info(engine.tokenizer)
 

@@ -110,6 +110,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     _add_parallel_args(p)
     _add_model_feature_args(p)
+    _add_fleet_args(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
@@ -252,6 +253,17 @@ def _add_lora_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_fleet_args(p: argparse.ArgumentParser) -> None:
+    """What routers read beside /metrics (engine/kv_events.py), named as vLLM's."""
+    p.add_argument(
+        "--kv-events-config",
+        help="KV-cache events for prefix-aware routers, vLLM's JSON keys, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; the events carry prompt '
+        "token ids; default off",
+    )
+
+
 def _add_connection_args(p: argparse.ArgumentParser) -> None:
     """Connection-level limits (server/connection_guard.py); names follow uvicorn's flags."""
     p.add_argument(
@@ -390,6 +402,10 @@ def build_server(args: argparse.Namespace, state=None):
     engine = LLMEngine(engine_config(args))
     print(f"pagedserve: attention backend: {engine.executor.backend_name}", flush=True)
     metrics = Metrics(engine.model_name)
+    metrics.cache_config_info(
+        engine.config.block_size, engine.executor.num_blocks,
+        enable_prefix_caching=engine.config.enable_prefix_caching,
+    )
     if state is not None:
         metrics.watch_connections(state.connections)
     metrics.observe(engine.snapshot_stats())  # block gauges read true before the first step

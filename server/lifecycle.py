@@ -129,8 +129,9 @@ def _engine_failed(engine, stall_timeout: float) -> bool:
     from engine.async_engine import EngineDeadError
 
     if not engine.is_alive:
-        logger.error("engine loop is not running: exiting with status 1")
-        engine.fail(EngineDeadError("the engine loop died"))  # no-op for waiters already told
+        dead_worker = engine.dead_worker
+        logger.error("%s: exiting with status 1", dead_worker or "engine loop is not running")
+        engine.fail(EngineDeadError(dead_worker or "the engine loop died"))  # no-op if told
         return True
     if engine.is_hung(stall_timeout):
         msg = f"the engine loop made no progress for {stall_timeout:g} s"

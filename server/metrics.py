@@ -1,8 +1,10 @@
-"""Prometheus metrics, named like vLLM's with the pagedserve: prefix, fed from StepStats.
+"""Prometheus metrics under vLLM's exact names (`vllm:`), fed from StepStats.
 
-Names, label (`model_name`) and bucket boundaries follow vLLM's V1 Prometheus logger so a vLLM
-dashboard ports by renaming the prefix; the kv_cache_*_blocks gauges are our own. Finished
-requests also get one structured log line each (logger `pagedserve.requests`).
+Names, meanings, label (`model_name`) and bucket boundaries follow vLLM's V1 Prometheus logger,
+so routers, autoscalers and dashboards that read a vLLM server (llm-d's endpoint picker, KEDA,
+vLLM's Grafana dashboard) read ours unchanged. What vLLM has no name for keeps the `pagedserve:`
+prefix (the kv_cache_*_blocks gauges, the connection guard's series). Finished requests also
+get one structured log line each (logger `pagedserve.requests`).
 """
 
 from __future__ import annotations
@@ -94,7 +96,16 @@ LATENCY_BUCKETS = [
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 FINISHED_REASONS = ("stop", "length", "abort")  # pre-created so rate() sees them from zero
 
-P = "pagedserve:"
+V = "vllm:"  # vLLM's names and meanings
+P = "pagedserve:"  # ours, where vLLM has no name
+OWN_NAMES = frozenset(
+    f"kv_cache_{kind}_blocks" for kind in ("free", "cached", "used", "total")
+) | {"http_connections_open", "http_slow_clients_closed", "http_connections_rejected"}
+
+
+def metric_name(name: str) -> str:
+    """The full exposed name of a family: vllm:NAME, or pagedserve:NAME for our own."""
+    return (P if name in OWN_NAMES else V) + name
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -130,14 +141,17 @@ class Metrics:
 
     # ---- families ----------------------------------------------------------------------------
     def _gauge(self, name: str, doc: str):
-        return Gauge(P + name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+        family = Gauge(metric_name(name), doc, ["model_name"], registry=self.registry)
+        return family.labels(self.model_name)
 
     def _counter(self, name: str, doc: str):
-        family = Counter(P + name, doc, ["model_name"], registry=self.registry)
+        family = Counter(metric_name(name), doc, ["model_name"], registry=self.registry)
         return family.labels(self.model_name)
 
     def _histogram(self, name: str, doc: str, buckets: list[float]):
-        family = Histogram(P + name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+        family = Histogram(
+            metric_name(name), doc, ["model_name"], buckets=buckets, registry=self.registry
+        )
         return family.labels(self.model_name)
 
     def _add_scheduler_gauges(self) -> None:
@@ -164,7 +178,7 @@ class Metrics:
         self.mm_hits = c("mm_cache_hits", "Encoder-cache hits, in images.")
         self.mm_encoded = c("mm_encoder_images", "Images run through the vision encoder.")
         self.request_success = Counter(
-            P + "request_success",
+            V + "request_success",
             "Count of finished requests by finish reason.",
             ["model_name", "finished_reason"],
             registry=self.registry,
@@ -177,7 +191,7 @@ class Metrics:
             "spec_decode_num_accepted_tokens", "Draft tokens accepted by verification."
         )
         self.spec_accepted_per_pos = Counter(
-            P + "spec_decode_num_accepted_tokens_per_pos",
+            V + "spec_decode_num_accepted_tokens_per_pos",
             "Accepted draft tokens by position in the draft (0 is the first).",
             ["model_name", "position"],
             registry=self.registry,
@@ -253,7 +267,7 @@ class Metrics:
         if self._lora_gauge is None:
             labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
             doc = "Running stats on lora requests."
-            self._lora_gauge = Gauge(P + "lora_requests_info", doc, labels, registry=self.registry)
+            self._lora_gauge = Gauge(V + "lora_requests_info", doc, labels, registry=self.registry)
         self._lora_gauge.clear()
         self._lora_gauge.labels(str(info[0]), info[1], info[2]).set_to_current_time()
         self._lora_info = info
@@ -282,6 +296,18 @@ class Metrics:
         if m.first_scheduled_time is not None and m.first_token_time is not None:
             self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
         log_finished_request(m, reason)
+
+    def cache_config_info(self, block_size: int, num_gpu_blocks: int, **extra) -> None:
+        """vllm:cache_config_info: an info gauge held at 1 whose labels carry the cache config
+        (the endpoint picker reads block_size and num_gpu_blocks from it)."""
+        labels = {"block_size": str(block_size), "num_gpu_blocks": str(num_gpu_blocks)}
+        labels |= {k: str(v) for k, v in extra.items()}
+        labels["engine"] = "0"
+        info = Gauge(
+            V + "cache_config_info", "Information of the LLMEngine CacheConfig",
+            list(labels), registry=self.registry,
+        )
+        info.labels(**labels).set(1)
 
     def watch_connections(self, stats) -> None:
         """Exposes a server/connection_guard.ConnectionStats, read at scrape time."""

@@ -395,12 +395,14 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
 
     import httpx
 
+    from server.metrics import metric_name
+
     names = ("num_requests_running", "num_requests_waiting")
     names += ("kv_cache_free_blocks", "kv_cache_total_blocks")
     deadline = time.monotonic() + timeout
     while True:
         text = httpx.get(url + "/metrics", timeout=10).text
-        g = {n: metric_value(text, "pagedserve:" + n) for n in names}
+        g = {n: metric_value(text, metric_name(n)) for n in names}
         idle = g["num_requests_running"] == g["num_requests_waiting"] == 0
         if idle and g["kv_cache_free_blocks"] == g["kv_cache_total_blocks"]:
             return g

@@ -19,6 +19,8 @@ PROTECTED = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
+    ("POST", "/v1/completions/render"),
+    ("POST", "/v1/chat/completions/render"),
     ("GET", "/openapi.json"),
     ("GET", "/v1/models/"),
     ("POST", "/v1/completions/"),

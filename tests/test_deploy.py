@@ -26,7 +26,7 @@ MULTIHOST = K8S / "multihost"  # a tensor-parallel replica over two hosts, appli
 DOCKERFILES = [ROOT / "Dockerfile", DEPLOY / "Dockerfile.cpu"]
 DASHBOARD = DEPLOY / "grafana" / "pagedserve.json"
 KUBERNETES_VERSION = "1.33"
-METRIC_NAME = re.compile(r"pagedserve:[A-Za-z0-9_:]+")
+METRIC_NAME = re.compile(r"(?:pagedserve|vllm):[A-Za-z0-9_:]+")
 
 
 def k8s_documents(root: Path = K8S) -> list[tuple[Path, dict]]:
@@ -77,7 +77,7 @@ def concrete_promql(expr: str) -> str:
     return (
         expr.replace("$__rate_interval", "1m")
         .replace("$model_name", ".*")
-        .replace("<<.Series>>", "pagedserve:num_requests_waiting")
+        .replace("<<.Series>>", "vllm:num_requests_waiting")
         .replace("<<.LabelMatchers>>", 'namespace="pagedserve"')
         .replace("<<.GroupBy>>", "pod")
     )
@@ -363,7 +363,7 @@ def test_hpa_scales_on_waiting_requests_served_by_the_adapter_rule():
     assert from_config_map == from_helm_values
     (rule,) = from_config_map
     (series,) = METRIC_NAME.findall(rule["seriesQuery"])
-    assert series == "pagedserve:num_requests_waiting" and series in exposed_sample_names()
+    assert series == "vllm:num_requests_waiting" and series in exposed_sample_names()
     as_template = rule["name"]["as"].replace("${1}", r"\1")
     adapter_name = re.sub(rule["name"]["matches"], as_template, series)
     assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
@@ -441,18 +441,18 @@ def test_dashboard_only_references_metrics_the_server_exposes():
     assert referenced, "the dashboard queries no pagedserve metric"
     assert referenced <= exposed, referenced - exposed
     needed = {
-        "pagedserve:request_success_total",
-        "pagedserve:num_requests_running",
-        "pagedserve:num_requests_waiting",
-        "pagedserve:kv_cache_usage_perc",
+        "vllm:request_success_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
         "pagedserve:kv_cache_free_blocks",
         "pagedserve:kv_cache_cached_blocks",
-        "pagedserve:num_preemptions_total",
-        "pagedserve:prefix_cache_hits_total",
-        "pagedserve:prefix_cache_queries_total",
-        "pagedserve:time_to_first_token_seconds_bucket",
-        "pagedserve:inter_token_latency_seconds_bucket",
-        "pagedserve:e2e_request_latency_seconds_bucket",
+        "vllm:num_preemptions_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
     }
     assert needed <= referenced, needed - referenced
 

@@ -97,6 +97,7 @@ def servers(tp_model_dir):
         "kill": spawn("--tensor-parallel-size", "2"),
         "stop": spawn("--tensor-parallel-size", "2", "--engine-stall-timeout", "3"),
         "term": spawn("--tensor-parallel-size", "2", "--shutdown-timeout", "60"),
+        "idle": spawn("--tensor-parallel-size", "2"),
     }
     try:
         for s in procs.values():
@@ -173,6 +174,26 @@ def test_killed_rank_ends_streams_with_an_error_and_the_server_exits_1(servers):
         server, asyncio.run(_fault_mid_stream(server, pids[1], signal.SIGKILL)), pids
     )
     assert "died (killed by SIGKILL)" in log or "failed" in log
+
+
+def test_a_worker_killed_while_idle_turns_health_503_within_5s_and_exits_1(servers):
+    """No request runs, so no step trips on the death: the executor's sentinel watcher must."""
+    server = servers["idle"]
+    pids = worker_pids(server.proc.pid)
+    assert len(pids) == 2
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    os.kill(pids[1], signal.SIGKILL)
+    killed, status = time.monotonic(), 200
+    while status == 200 and time.monotonic() - killed < 5.0:
+        time.sleep(0.05)
+        try:
+            status = httpx.get(server.url + "/health", timeout=5).status_code
+        except httpx.TransportError:
+            break  # already gone: exited (the status is checked below)
+    assert status != 200, "/health still 200 5 s after a worker died"
+    assert server.proc.wait(_bound(30)) == 1
+    assert_gone(pids)
+    assert "worker rank 1 died (killed by SIGKILL)" in server.log_path.read_text()
 
 
 def test_rank_that_stops_answering_is_dead_within_the_stall_bound(servers):

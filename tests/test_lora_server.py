@@ -131,7 +131,7 @@ def test_load_and_unload_adapters_at_runtime(dynamic_server, tiny_model_dir):
 def test_lora_requests_info_gauge(lora_server):
     from conftest import metric_value
 
-    from server.metrics import P  # the metric prefix (vLLM's "vllm:")
+    from server.metrics import V  # vLLM's "vllm:" prefix
 
     client = openai.OpenAI(base_url=lora_server.url + "/v1", api_key="x", max_retries=0)
     stream = client.completions.create(
@@ -142,7 +142,7 @@ def test_lora_requests_info_gauge(lora_server):
     text = httpx.get(lora_server.url + "/metrics").text
     stream.close()
     running = {"max_lora": "2", "running_lora_adapters": "attn", "waiting_lora_adapters": ""}
-    assert metric_value(text, P + "lora_requests_info", running) > 1e9  # a Unix time
+    assert metric_value(text, V + "lora_requests_info", running) > 1e9  # a Unix time
 
 
 def test_chat_picks_the_adapter_by_model(lora_server, tiny_model_dir):

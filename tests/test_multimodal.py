@@ -430,8 +430,8 @@ def test_encoder_metrics(llava_server, media_host):
     text = httpx.get(llava_server.url + "/metrics").text
     labels = {"model_name": "tiny-llava"}
     assert metric_value(text, "pagedserve:mm_encoder_images_total", labels) == 2
-    assert metric_value(text, "pagedserve:mm_cache_hits_total", labels) >= 1
-    assert metric_value(text, "pagedserve:mm_cache_queries_total", labels) >= 3
+    assert metric_value(text, "vllm:mm_cache_hits_total", labels) >= 1
+    assert metric_value(text, "vllm:mm_cache_queries_total", labels) >= 3
 
 
 def test_local_files_only_under_the_allowed_path(tmp_path):

@@ -235,9 +235,9 @@ def test_client_disconnect_aborts_every_choice(client, tiny_server):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         metrics = httpx.get(tiny_server.url + "/metrics").text
-        running = metric_value(metrics, "pagedserve:num_requests_running")
-        if running == 0 and metric_value(metrics, "pagedserve:kv_cache_usage_perc") == 0:
+        running = metric_value(metrics, "vllm:num_requests_running")
+        if running == 0 and metric_value(metrics, "vllm:kv_cache_usage_perc") == 0:
             break
         time.sleep(0.5)
     assert running == 0
-    assert metric_value(metrics, "pagedserve:kv_cache_usage_perc") == 0.0
+    assert metric_value(metrics, "vllm:kv_cache_usage_perc") == 0.0

@@ -9,6 +9,7 @@ import pytest
 from conftest import hf_greedy, make_prompts, metric_value
 
 from engine import LLM, SamplingParams
+from server.metrics import metric_name
 
 BS = 4
 MAX_NEW = 12
@@ -144,7 +145,7 @@ def _wait_for_metrics(url: str, ready, timeout: float = 30.0) -> str:
 
 def test_server_metrics_count_prefix_hits_and_go_idle(tiny_server):
     def read(text: str, name: str) -> float:
-        return metric_value(text, "pagedserve:" + name)
+        return metric_value(text, metric_name(name))
 
     idle = lambda text: read(text, "kv_cache_usage_perc") == 0.0  # noqa: E731
     before = _wait_for_metrics(tiny_server.url, idle)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from conftest import ServerProcess, free_port, metric_value
 
-from server.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS
+from server.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS, metric_name
 
 # A request is ~19 prompt + 12 generated tokens = 8 blocks: 3 prompts fit, then growth preempts.
 NUM_BLOCKS, BLOCK_SIZE, MAX_NUM_SEQS, CONCURRENCY = 16, 4, 8, 6
@@ -33,9 +33,9 @@ LABELS = {"model_name": "tiny"}
 # vLLM's names): ':' is reserved for recording rules by convention, and vLLM calls a histogram
 # iteration_tokens_total. Anything else promtool reports fails the test.
 ACCEPTED_PROMTOOL_FINDINGS = [
-    re.compile(r"^pagedserve:\w+ metric names should not contain ':'$"),
+    re.compile(r"^(pagedserve|vllm):\w+ metric names should not contain ':'$"),
     re.compile(
-        r'^pagedserve:iteration_tokens_total non-counter metrics should not have "_total" suffix$'
+        r'^vllm:iteration_tokens_total non-counter metrics should not have "_total" suffix$'
     ),
 ]
 
@@ -186,10 +186,10 @@ def _served_so_far(url: str) -> tuple[float, float]:
     """(finished requests, their prompt tokens) before this load: other tests share the server."""
     text = httpx.get(url + "/metrics", timeout=10).text
     num = sum(
-        metric_value(text, "pagedserve:request_success_total", {"finished_reason": reason})
+        metric_value(text, "vllm:request_success_total", {"finished_reason": reason})
         for reason in ("stop", "length", "abort")
     )
-    return num, metric_value(text, "pagedserve:request_prompt_tokens_sum")
+    return num, metric_value(text, "vllm:request_prompt_tokens_sum")
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +206,8 @@ def scraped(loaded_server, tmp_path_factory):
         num_requests = num_before + len(results)
         prompt_tokens = prompt_before + sum(r.json()["usage"]["prompt_tokens"] for r in results)
         # Quiet again and every finished request scraped: the later checks see the final state.
-        prom.wait_for("sum(pagedserve:request_success_total)", lambda v: v >= num_requests)
-        prom.wait_for("pagedserve:num_requests_running", lambda v: v == 0)
+        prom.wait_for("sum(vllm:request_success_total)", lambda v: v >= num_requests)
+        prom.wait_for("vllm:num_requests_running", lambda v: v == 0)
         yield prom, num_requests, prompt_tokens
     finally:
         prom.stop()
@@ -215,18 +215,18 @@ def scraped(loaded_server, tmp_path_factory):
 
 def test_prometheus_sees_running_and_waiting(scraped):
     prom = scraped[0]
-    running = prom.scalar('max_over_time(pagedserve:num_requests_running{model_name="tiny"}[5m])')
-    waiting = prom.scalar('max_over_time(pagedserve:num_requests_waiting{model_name="tiny"}[5m])')
+    running = prom.scalar('max_over_time(vllm:num_requests_running{model_name="tiny"}[5m])')
+    waiting = prom.scalar('max_over_time(vllm:num_requests_waiting{model_name="tiny"}[5m])')
     assert 1 <= running <= CONCURRENCY
     assert 1 <= waiting <= CONCURRENCY  # the pool holds fewer requests than are sent at once
-    assert prom.scalar("pagedserve:num_requests_waiting") == 0
+    assert prom.scalar("vllm:num_requests_waiting") == 0
 
 
 def test_prometheus_sees_kv_usage_and_blocks(scraped):
     prom = scraped[0]
-    peak = prom.scalar("max_over_time(pagedserve:kv_cache_usage_perc[5m])")
+    peak = prom.scalar("max_over_time(vllm:kv_cache_usage_perc[5m])")
     assert 0.5 < peak <= 1.0  # the tiny pool was driven near full
-    assert prom.scalar("pagedserve:kv_cache_usage_perc") == 0  # idle: cached blocks count free
+    assert prom.scalar("vllm:kv_cache_usage_perc") == 0  # idle: cached blocks count free
     assert prom.scalar("pagedserve:kv_cache_total_blocks") == NUM_BLOCKS
     free_plus_used = prom.scalar(
         "pagedserve:kv_cache_free_blocks + pagedserve:kv_cache_used_blocks"
@@ -238,47 +238,47 @@ def test_prometheus_sees_kv_usage_and_blocks(scraped):
 
 def test_prometheus_sees_preemptions_and_prefix_hits(scraped):
     prom = scraped[0]
-    assert prom.scalar("pagedserve:num_preemptions_total") > 0
-    hits = prom.scalar("pagedserve:prefix_cache_hits_total")
-    queries = prom.scalar("pagedserve:prefix_cache_queries_total")
+    assert prom.scalar("vllm:num_preemptions_total") > 0
+    hits = prom.scalar("vllm:prefix_cache_hits_total")
+    queries = prom.scalar("vllm:prefix_cache_queries_total")
     assert 0 < hits < queries
 
 
 def test_prometheus_sees_tokens_and_successes(scraped):
     prom, num_requests, prompt_tokens = scraped
-    reasons = prom.query("pagedserve:request_success_total")
+    reasons = prom.query("vllm:request_success_total")
     by_reason = {r["metric"]["finished_reason"]: float(r["value"][1]) for r in reasons}
     assert by_reason == {"stop": 0, "length": num_requests, "abort": 0}
-    assert prom.scalar("pagedserve:generation_tokens_total") == num_requests * MAX_TOKENS
-    assert prom.scalar("pagedserve:request_generation_tokens_sum") == num_requests * MAX_TOKENS
-    assert prom.scalar("pagedserve:request_prompt_tokens_sum") == prompt_tokens
-    assert prom.scalar("pagedserve:prompt_tokens_total") > 0
+    assert prom.scalar("vllm:generation_tokens_total") == num_requests * MAX_TOKENS
+    assert prom.scalar("vllm:request_generation_tokens_sum") == num_requests * MAX_TOKENS
+    assert prom.scalar("vllm:request_prompt_tokens_sum") == prompt_tokens
+    assert prom.scalar("vllm:prompt_tokens_total") > 0
 
 
 def test_prometheus_ttft_histogram_is_sane(scraped):
     prom, num_requests, _ = scraped
-    buckets = prom.query('pagedserve:time_to_first_token_seconds_bucket{model_name="tiny"}')
+    buckets = prom.query('vllm:time_to_first_token_seconds_bucket{model_name="tiny"}')
     by_le = {r["metric"]["le"]: float(r["value"][1]) for r in buckets}
     assert sorted(float(le) for le in by_le) == sorted([*TTFT_BUCKETS, math.inf])
     counts = [by_le[le] for le in sorted(by_le, key=float)]
     assert counts == sorted(counts), "cumulative buckets must not decrease"
     assert by_le["+Inf"] == num_requests
-    assert prom.scalar("pagedserve:time_to_first_token_seconds_count") == num_requests
+    assert prom.scalar("vllm:time_to_first_token_seconds_count") == num_requests
     p50 = prom.scalar(
-        "histogram_quantile(0.5, sum by (le) (pagedserve:time_to_first_token_seconds_bucket))"
+        "histogram_quantile(0.5, sum by (le) (vllm:time_to_first_token_seconds_bucket))"
     )
     p99_e2e = prom.scalar(
-        "histogram_quantile(0.99, sum by (le) (pagedserve:e2e_request_latency_seconds_bucket))"
+        "histogram_quantile(0.99, sum by (le) (vllm:e2e_request_latency_seconds_bucket))"
     )
     assert 0 < p50 < 120 and 0 < p99_e2e < 7680
     mean_ttft = prom.scalar(
-        "pagedserve:time_to_first_token_seconds_sum / pagedserve:time_to_first_token_seconds_count"
+        "vllm:time_to_first_token_seconds_sum / vllm:time_to_first_token_seconds_count"
     )
     mean_e2e = prom.scalar(
-        "pagedserve:e2e_request_latency_seconds_sum / pagedserve:e2e_request_latency_seconds_count"
+        "vllm:e2e_request_latency_seconds_sum / vllm:e2e_request_latency_seconds_count"
     )
     assert 0 < mean_ttft < mean_e2e
-    itl_count = prom.scalar("pagedserve:inter_token_latency_seconds_count")
+    itl_count = prom.scalar("vllm:inter_token_latency_seconds_count")
     assert itl_count == num_requests * (MAX_TOKENS - 1)
 
 
@@ -320,7 +320,9 @@ def test_promtool_rejects_a_broken_exposition():
     assert proc.returncode == 1
 
 
+PREFIXES = ("vllm:", "pagedserve:")
 EXPECTED_FAMILIES = {
+    "cache_config_info": "gauge",  # labels block_size, num_gpu_blocks (the endpoint picker's)
     "num_requests_running": "gauge",
     "num_requests_waiting": "gauge",
     "kv_cache_usage_perc": "gauge",
@@ -373,12 +375,18 @@ def test_exposition_parses_with_vllm_names_types_and_buckets(exposition):
     from prometheus_client.parser import text_string_to_metric_families
 
     families = {f.name: f for f in text_string_to_metric_families(exposition)}
-    ours = {
-        n.removeprefix("pagedserve:"): f for n, f in families.items() if n.startswith("pagedserve:")
-    }
+    ours = {n.split(":", 1)[1]: f for n, f in families.items() if n.startswith(PREFIXES)}
+    assert {f.name for f in ours.values()} == {metric_name(n) for n in ours}
+    vllm_names = {n for n in families if n.startswith("vllm:")}
+    assert {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"} <= vllm_names
     assert {n: f.type for n, f in ours.items()} == EXPECTED_FAMILIES
     for name, family in ours.items():
         assert family.documentation, name
+        if name == "cache_config_info":  # vLLM's info gauge: the config in labels, value 1
+            (sample,) = family.samples
+            assert sample.value == 1 and sample.labels["block_size"] == str(BLOCK_SIZE)
+            assert sample.labels["num_gpu_blocks"] == str(NUM_BLOCKS), sample.labels
+            continue
         assert all(s.labels.get("model_name") == "tiny" for s in family.samples), name
         if family.type == "counter":
             assert all(s.name.endswith("_total") for s in family.samples), name
@@ -468,7 +476,7 @@ def test_step_gauges_follow_every_change_and_counters_add_each_step():
     m = Metrics("m")
 
     def read(name: str) -> float:
-        return metric_value(m.render().decode(), "pagedserve:" + name, {"model_name": "m"})
+        return metric_value(m.render().decode(), metric_name(name), {"model_name": "m"})
 
     busy = dict(num_running=3, num_waiting=2, num_total_blocks=64, num_free_blocks=40,
                 num_cached_free_blocks=5, kv_cache_usage=0.375)

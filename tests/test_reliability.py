@@ -119,8 +119,8 @@ def test_disconnect_storm_frees_every_block(servers):
         bodies = [{"prompt": f"request {i} " * 4, "stream": i % 2 == 0, **LONG} for i in range(100)]
         return await asyncio.gather(*(_post_and_give_up(server.port, b, 0.5) for b in bodies))
 
-    aborted = ("pagedserve:request_success_total", {"finished_reason": "abort"})
-    before = metric_value(_metrics(server.url), "pagedserve:generation_tokens_total")
+    aborted = ("vllm:request_success_total", {"finished_reason": "abort"})
+    before = metric_value(_metrics(server.url), "vllm:generation_tokens_total")
     aborted_before = metric_value(_metrics(server.url), *aborted)
     asyncio.run(storm())
     t0 = time.monotonic()
@@ -132,7 +132,7 @@ def test_disconnect_storm_frees_every_block(servers):
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
     assert time.monotonic() - t0 < _bound(5.0)
     wait_idle(server.url, timeout=30)
-    generated = metric_value(_metrics(server.url), "pagedserve:generation_tokens_total") - before
+    generated = metric_value(_metrics(server.url), "vllm:generation_tokens_total") - before
     assert 0 < generated < 100 * LONG["max_tokens"] / 2  # they ran, and they stopped early
     # Every abandoned request is counted as aborted (the short one finished by length).
     assert metric_value(_metrics(server.url), *aborted) - aborted_before == 100
@@ -158,7 +158,7 @@ def test_preemption_storm_matches_unpressured_greedy_outputs(servers):
             return await asyncio.gather(*(one(p) for p in prompts))
 
     tight = procs["tight"]
-    preemptions = "pagedserve:num_preemptions_total"
+    preemptions = "vllm:num_preemptions_total"
     assert metric_value(_metrics(tight.url), "pagedserve:kv_cache_total_blocks") == 16
     pressured = asyncio.run(run(tight.url))
     relaxed = asyncio.run(run(procs["roomy"].url))
@@ -184,8 +184,8 @@ def test_overload_gets_503_with_retry_after_then_recovers(servers):
                 holders.append(asyncio.create_task(_post_and_give_up(server.port, body, 120)))
                 while True:
                     text = (await client.get("/metrics")).text
-                    running = metric_value(text, "pagedserve:num_requests_running")
-                    if running + metric_value(text, "pagedserve:num_requests_waiting") == held:
+                    running = metric_value(text, "vllm:num_requests_running")
+                    if running + metric_value(text, "vllm:num_requests_waiting") == held:
                         break
                     assert time.monotonic() < deadline, text
                     await asyncio.sleep(0.05)

@@ -77,13 +77,13 @@ def test_unknown_model_is_404(client):
 def test_metrics_after_traffic(client, tiny_server):
     client.completions.create(model="tiny", prompt="count me", max_tokens=4, temperature=0)
     text = httpx.get(tiny_server.url + "/metrics").text
-    assert metric_value(text, "pagedserve:num_requests_running") == 0
-    assert metric_value(text, "pagedserve:num_requests_waiting") == 0
-    assert metric_value(text, "pagedserve:kv_cache_usage_perc") == 0.0
-    assert metric_value(text, "pagedserve:num_preemptions_total") == 0
-    assert metric_value(text, "pagedserve:generation_tokens_total") >= 4
+    assert metric_value(text, "vllm:num_requests_running") == 0
+    assert metric_value(text, "vllm:num_requests_waiting") == 0
+    assert metric_value(text, "vllm:kv_cache_usage_perc") == 0.0
+    assert metric_value(text, "vllm:num_preemptions_total") == 0
+    assert metric_value(text, "vllm:generation_tokens_total") >= 4
     assert (
-        metric_value(text, "pagedserve:request_success_total", {"finished_reason": "length"}) >= 1
+        metric_value(text, "vllm:request_success_total", {"finished_reason": "length"}) >= 1
     )
 
 

@@ -425,18 +425,18 @@ def test_spec_decode_metrics_through_the_server(cycle_model_dir):
         while True:  # the step's stats reach /metrics just after its output
             text = httpx.get(server.url + "/metrics", timeout=10).text
             labels = {"model_name": "cycle"}
-            drafts = metric_value(text, "pagedserve:spec_decode_num_drafts_total", labels)
+            drafts = metric_value(text, "vllm:spec_decode_num_drafts_total", labels)
             if drafts > 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        tokens = metric_value(text, "pagedserve:spec_decode_num_draft_tokens_total", labels)
-        accepted = metric_value(text, "pagedserve:spec_decode_num_accepted_tokens_total", labels)
+        tokens = metric_value(text, "vllm:spec_decode_num_draft_tokens_total", labels)
+        accepted = metric_value(text, "vllm:spec_decode_num_accepted_tokens_total", labels)
         first = metric_value(
-            text, "pagedserve:spec_decode_num_accepted_tokens_per_pos_total",
+            text, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
             {"model_name": "cycle", "position": "0"},
         )  # fmt: skip
         assert drafts > 0 and 0 < accepted <= tokens and 0 < first <= accepted
-        gen = metric_value(text, "pagedserve:generation_tokens_total", labels)
+        gen = metric_value(text, "vllm:generation_tokens_total", labels)
         assert gen == 40
     finally:
         server.stop()

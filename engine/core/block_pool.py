@@ -108,6 +108,9 @@ class BlockPool:
         self.hash_tags = bytearray(num_blocks)
         self._next_hash_tag = 1
         self.num_evictions_total = 0  # cached blocks reused for other content
+        # KV-cache events, in order, when enabled (engine/kv_events.py publishes them):
+        # ("stored", key), ("removed", key), ("cleared",). None: nothing is recorded.
+        self.kv_events: list[tuple] | None = None
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -125,6 +128,8 @@ class BlockPool:
         for block in blocks:
             if block.block_hash is not None:
                 del self.cached_block_hash_to_block[block.block_hash]
+                if self.kv_events is not None:
+                    self.kv_events.append(("removed", block.block_hash))
                 block.block_hash = None
                 self.hash_tags[block.block_id] = 0
                 self.num_cached_free_blocks -= 1
@@ -193,6 +198,8 @@ class BlockPool:
         self.cached_block_hash_to_block[block_hash] = block
         self.hash_tags[block.block_id] = self._next_hash_tag
         self._next_hash_tag = self._next_hash_tag % 255 + 1
+        if self.kv_events is not None:
+            self.kv_events.append(("stored", block_hash))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only when no request holds a block."""
@@ -203,6 +210,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         self.num_cached_free_blocks = 0
         self.hash_tags[:] = bytes(self.num_blocks)
+        if self.kv_events is not None:
+            self.kv_events.append(("cleared",))
         return True
 
     def check_integrity(self) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from engine.core.block_pool import BlockPool, KVCacheBlock
 from engine.core.kv_cache_groups import KVCacheSpec, KVGroup, make_groups
 from engine.core.kv_cache_groups import cdiv as cdiv  # callers import it from here
+from engine.core.kv_event_log import describe_stored, split_key
 from engine.core.request import Request
 
 _ROOT_HASH = b"pagedserve-root"
@@ -179,8 +180,12 @@ class KVCacheManager:
         if self.enable_caching:
             num_full = min(num_tokens, request.num_tokens) // self.block_size
             hashes = self._block_hashes(request)
+            events = pool.kv_events
+            mark = len(events) if events is not None else 0
             for group in groups:
                 group.cache_blocks(rid, hashes, num_full)
+            if events is not None and len(events) > mark:
+                describe_stored(events, mark, hashes, request.all_token_ids, self.block_size)
         return new_blocks
 
     # ---- forks and copy-on-write ---------------------------------------------------------------
@@ -316,6 +321,18 @@ class KVCacheManager:
                             f"{b} shared unhashed outside a fork"
                         )
         assert self.cow_requests <= self.fork_members <= self.req_to_blocks.keys()
+
+    def enable_kv_events(self) -> None:
+        """Record KV-cache events from now on (engine/core/kv_event_log.py has their shape)."""
+        self.block_pool.kv_events = []
+
+    def take_kv_events(self) -> list[tuple]:
+        events = self.block_pool.kv_events
+        if not events:
+            return []
+        self.block_pool.kv_events = []
+        # ("stored", group, hashes, parent, tokens), ("removed", group, hash), ("cleared",)
+        return [("removed", *split_key(e[1])) if e[0] == "removed" else e for e in events]
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()

@@ -16,15 +16,19 @@ scheduled request: its prompt and params on first sight, afterwards only the tok
 have not seen (one per decode step), so a step's message does not grow with the context.
 A worker that exits, crashes or reports an error makes the executor dead (EngineDeadError); the
 engine loop then fails every pending request, and the server exits 1 (server/lifecycle.py).
+A watcher thread waits on the workers' sentinels, so a death is noticed at once even while no
+step runs (an idle server): it sets `dead`, which /health and the lifecycle read.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import signal
 import socket
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
@@ -63,6 +67,7 @@ class Executor(ABC):
     dtype: object
     device: object
     backend_name: str
+    dead: str | None = None  # why the executor can run no more steps (a worker died)
 
     @abstractmethod
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -310,6 +315,10 @@ class MultiprocExecutor(Executor):
         self.encoder = WireEncoder()
         self.stats = ExecutorStats()
         self.dead: str | None = None
+        self._stopping = False
+        self._wake_r, self._wake_w = os.pipe()  # shutdown wakes the watcher through it
+        self._watcher = threading.Thread(target=self._watch, name="worker-watch", daemon=True)
+        self._watcher.start()
         logger.info(
             "executor: mp, %d worker process(es) on this host (ranks %s), master port %d",
             len(self.workers.ranks),
@@ -376,5 +385,27 @@ class MultiprocExecutor(Executor):
         if self.dead is not None:
             raise EngineDeadError(self.dead)
 
+    def _watch(self) -> None:
+        """Blocks on every worker's sentinel: the first to end makes the executor dead (the
+        engine's step, if one runs, reports the same death through _wait_result)."""
+        sentinels = [p.sentinel for p in self.workers.processes]
+        wait(sentinels + [self._wake_r])
+        if self._stopping or self.dead is not None:
+            return
+        reason = self._dead_within(1.0) or "a worker process ended"
+        if self.dead is None:
+            self.dead = reason
+            logger.error("executor dead: %s (noticed by the watcher)", reason)
+
     def shutdown(self) -> None:
+        self._stopping = True
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
         self.workers.stop()
+        self._watcher.join(1.0)
+        if not self._watcher.is_alive() and self._wake_r >= 0:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
