@@ -296,8 +296,8 @@ def test_history_with_tool_calls_is_rendered_by_the_template(tclient, tools_mode
             "tools",
         ),
         (
-            {"tool_choice": "required", "response_format": {"type": "json_object"}},
-            "response_format",
+            {"tool_choice": "required", "structured_outputs": {"json": {"type": "object"}}},
+            "structured_outputs",
         ),
     ],
 )

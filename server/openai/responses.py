@@ -111,7 +111,8 @@ class ResponseWriter(GenerationDriver):
         """Takes in one engine output (its usage already counted); returns the events it makes."""
         events = self._apply(self.reader.feed(out.outputs[0].text))
         if out.finished:
-            events += self._apply(self.reader.finish())
+            cut = out.outputs[0].finish_reason == "length"
+            events += self._apply(self.reader.finish(cut))
             events += self._close_open()
         return events
 
