@@ -183,5 +183,3 @@ class HermesToolStreamer:
                 out.tool_calls.append(d)
                 self.num_calls += 1
         self.in_call, self.head = False, None
-
-
