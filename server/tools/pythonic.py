@@ -4,8 +4,9 @@
 
 Argument values are Python literals (strings, numbers, True/False/None, lists, dicts; JSON's
 true/false/null too), sent as JSON. Output that does not open with such a list is content, all
-of it. A call is sent whole (id, name and arguments) once its closing parenthesis arrives: its arguments are re-written as
-JSON, so they cannot stream before the call is read. What follows the list is content.
+of it. A call is sent whole (id, name and arguments) once its closing parenthesis arrives: its
+arguments are re-written as JSON, so they cannot stream before the call is read. What follows the
+list is content.
 """
 
 from __future__ import annotations
