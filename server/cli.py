@@ -310,7 +310,7 @@ def build_server(args: argparse.Namespace, state=None):
     print(tools.log_line(), flush=True)
     parser = tools.parser
     kv_view = None if args.disable_playground else async_engine.kv_view
-    app = build_app(async_engine, metrics, parser, kv_view)
+    app = build_app(async_engine, metrics, parser, kv_view, args.responses_store_size)
     if state is not None:
         app.state.is_draining = lambda: state.draining
     async_engine.start()
