@@ -250,3 +250,71 @@ def test_litellm_tools_and_required(plain_server):
     [call] = forced.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and forced.choices[0].message.content is None
     wait_idle(plain_server.url)
+
+
+@pytest.fixture(scope="module")
+def smol_server():
+    """The default model (SmolLM2-135M-Instruct, whose template has no tool support), no flags."""
+    from tests.conftest import ServerProcess
+
+    server = ServerProcess(None, "--dtype", "float32").wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.mark.slow
+def test_openai_agents_loop_and_previous_response_id_on_the_default_model(smol_server):
+    """A full agent loop (forced call, tool result, final answer in the output type) on Chat
+    Completions, and `previous_response_id` turns on Responses, on the real default model."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from agents.exceptions import AgentsException
+
+    set_tracing_disabled(True)
+    seen = []
+
+    @function_tool
+    def get_weather(city: Annotated[str, Field(max_length=12)]) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return "sunny, 21 C"
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=smol_server.url + "/v1", api_key="x", max_retries=0)
+        settings = ModelSettings(tool_choice="required", max_tokens=200, parallel_tool_calls=False)
+        agent = Agent(
+            name="a",
+            instructions="Use get_weather, then answer.",
+            model=OpenAIChatCompletionsModel("SmolLM2-135M-Instruct", client),
+            tools=[get_weather],
+            output_type=City,
+            model_settings=settings,
+        )
+        try:
+            result = await Runner.run(agent, "weather in Oslo?", max_turns=4)
+            assert isinstance(result.final_output, City)
+        except AgentsException:  # a 135M model may call again instead of answering
+            pass
+        assert seen
+        chat = Agent(
+            name="b",
+            model=OpenAIResponsesModel("SmolLM2-135M-Instruct", client),
+            model_settings=ModelSettings(max_tokens=20),
+        )
+        first = await Runner.run(chat, "My name is Ada.")
+        second = await Runner.run(
+            chat, "What is my name?", previous_response_id=first.last_response_id
+        )
+        assert first.last_response_id and second.last_response_id != first.last_response_id
+        stored = await client.responses.retrieve(second.last_response_id)
+        assert stored.previous_response_id == first.last_response_id
+        assert stored.usage.input_tokens > 12  # the first turn is in the prompt
+
+    asyncio.run(run())
