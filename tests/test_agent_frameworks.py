@@ -305,8 +305,9 @@ def test_openai_agents_loop_and_previous_response_id_on_the_default_model(smol_s
         assert seen
         chat = Agent(
             name="b",
+            instructions="Answer in one short sentence.",
             model=OpenAIResponsesModel("SmolLM2-135M-Instruct", client),
-            model_settings=ModelSettings(max_tokens=20),
+            model_settings=ModelSettings(max_tokens=400, temperature=0.0),
         )
         first = await Runner.run(chat, "My name is Ada.")
         second = await Runner.run(
