@@ -138,11 +138,23 @@ def _check_range(name: str, value: float, lo: float, hi: float) -> None:
 GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
 
+def _canonical(node, properties: bool = False):
+    """A schema with sorted keys (equal schemas share a cache entry), except the names in a
+    `properties` map: their order is the order the output's keys take (OpenAI keeps it)."""
+    if isinstance(node, list):
+        return [_canonical(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if properties:
+        return {k: _canonical(v) for k, v in node.items()}
+    return {k: _canonical(node[k], k == "properties") for k in sorted(node)}
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """What constrains a request's output: the cache key of its compiled grammar.
 
-    json: a JSON schema (serialised with sorted keys, so equal schemas share a cache entry);
+    json: a JSON schema (keys sorted but for property names, so equal schemas share an entry);
     json_object: any JSON object; regex; choice: a JSON list of strings; grammar: Lark or GBNF.
     """
 
@@ -158,7 +170,7 @@ class GrammarSpec:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from e
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be an object or a boolean")
-        return cls("json", json.dumps(schema, sort_keys=True, ensure_ascii=False))
+        return cls("json", json.dumps(_canonical(schema), ensure_ascii=False))
 
     @classmethod
     def choice(cls, choices: list[str]) -> GrammarSpec:

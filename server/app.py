@@ -26,6 +26,7 @@ from server.openai.protocol import (
 from server.openai.render import render_chat_completion, render_completion
 from server.openai.responses import create_response
 from server.openai.responses_protocol import ResponsesRequest
+from server.openai.responses_store import ResponseStore
 from server.openai.score import RerankRequest, ScoreRequest, create_rerank, create_score
 from server.openai.serving import ServingContext
 from server.openai.tokenization import detokenize, tokenize
@@ -45,6 +46,7 @@ def build_app(
     metrics: Metrics,
     tool_call_parser: str | None = None,  # None: tool_choice "auto" is refused
     kv_view: KVView | None = None,
+    responses_store_size: int = 1000,
 ) -> FastAPI:
     """The app over the engine's facade (model name, tokenizer, limits all come from it).
 
@@ -55,6 +57,7 @@ def build_app(
     app.state.engine, app.state.metrics = engine, metrics
     ctx = ServingContext.build(engine)
     ctx.tool_call_parser = tool_call_parser
+    ctx.responses = ResponseStore(responses_store_size)
     app.state.serving = ctx
     install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
@@ -138,6 +141,20 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest):
         return await create_response(ctx, body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        return ctx.responses.get(response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        return ctx.responses.delete(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(
+        response_id: str, order: str = "desc", limit: int = 20, after: str | None = None
+    ) -> dict:
+        return ctx.responses.input_items(response_id, order, limit, after)
 
 
 def _add_pooling_routes(app: FastAPI, ctx: ServingContext) -> None:

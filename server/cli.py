@@ -13,6 +13,7 @@ import yaml
 
 from engine.config import GGUF_WEIGHTS, QUANTIZATION_METHODS, EngineConfig
 from engine.runner.pooling_config import RUNNERS, TASKS
+from server.tools.detect import choose_tool_parser, template_text
 from server.tools.registry import TOOL_PARSERS
 
 logger = logging.getLogger("pagedserve")
@@ -28,6 +29,34 @@ def _add_gguf_args(p: argparse.ArgumentParser) -> None:
         "float32 and off-CPU: dense); packed: the blocks only (least memory, the same as "
         "--quantization gguf); dense: dequantized to --dtype (with float32, the exact path "
         "whose greedy tokens equal transformers'). Default: auto",
+    )
+
+
+def _add_tool_args(p: argparse.ArgumentParser) -> None:
+    """Tool calling: on by default, its format read from the chat template."""
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='accepted for vLLM compatibility: tool_choice "auto" is on unless '
+        "--disable-auto-tool-choice (default: on)",
+    )
+    p.add_argument(
+        "--disable-auto-tool-choice",
+        action="store_true",
+        help='refuse tool_choice "auto" (tools still reach the template; "required" and a '
+        "named tool still work) (default: off)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        help="the tool-call format read from the output (default: read from the chat template)",
+    )
+    p.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1000,
+        help="stored /v1/responses kept in memory, least recently used dropped first; 0 stores "
+        "none (default: 1000)",
     )
 
 
@@ -120,12 +149,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="a request's greedy tokens independent of the batch (CPU kernels; also "
         "PAGEDSERVE_BATCH_INVARIANT=1 or VLLM_BATCH_INVARIANT=1)",
     )
-    p.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='tool_choice "auto": read tool calls from the text with --tool-call-parser',
-    )
-    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), help="e.g. hermes")
+    _add_tool_args(p)
     p.add_argument(
         "--grammar-compile-timeout",
         type=float,
@@ -410,9 +434,13 @@ def build_server(args: argparse.Namespace, state=None):
         metrics.watch_connections(state.connections)
     metrics.observe(engine.snapshot_stats())  # block gauges read true before the first step
     async_engine = AsyncEngine(engine, metrics.observe, args.max_num_queued_reqs)
-    parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+    tools = choose_tool_parser(
+        template_text(engine.tokenizer), args.tool_call_parser, args.disable_auto_tool_choice
+    )
+    print(tools.log_line(), flush=True)
+    parser = tools.parser
     kv_view = None if args.disable_playground else async_engine.kv_view
-    app = build_app(async_engine, metrics, parser, kv_view)
+    app = build_app(async_engine, metrics, parser, kv_view, args.responses_store_size)
     if state is not None:
         app.state.is_draining = lambda: state.draining
     async_engine.start()
@@ -522,8 +550,6 @@ def _check_serve_args(args: argparse.Namespace) -> None:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if args.headless and args.node_rank == 0:
             raise ValueError("--headless is for node ranks above 0 (node 0 serves HTTP)")
-        if args.enable_auto_tool_choice and not args.tool_call_parser:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     except ValueError as e:
         print(f"pagedserve: error: {e}", file=sys.stderr)
         sys.exit(2)

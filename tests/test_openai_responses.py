@@ -1,5 +1,5 @@
 """POST /v1/responses: plain, streamed with typed events, text.format json_schema, function
-tools, and the stateless refusals."""
+tools, stored responses (previous_response_id, GET, DELETE, input items), and refusals."""
 
 from __future__ import annotations
 
@@ -137,14 +137,51 @@ def test_body_is_a_valid_response(tools_server):
         timeout=30,
     ).json()
     Response.model_validate(body)
-    assert body["id"].startswith("resp_") and body["store"] is False
+    assert body["id"].startswith("resp_") and body["store"] is True  # OpenAI's default
+
+
+def test_stored_responses_chain_and_404s(tclient, tools_server):
+    """store (default): GET, input items, previous_response_id turns carry the conversation
+    (not the instructions); DELETE; unknown ids get OpenAI's 404; store=false keeps nothing."""
+    kw = dict(model="tiny", max_output_tokens=4, temperature=0.0)
+    first = tclient.responses.create(input="hello there", instructions="be brief", **kw)
+    got = tclient.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text and got.store
+    [item] = tclient.responses.input_items.list(first.id).data
+    assert item.type == "message" and item.content[0].text == "hello there"
+    second = tclient.responses.create(input="and?", previous_response_id=first.id, **kw)
+    assert second.previous_response_id == first.id
+    # the second prompt holds the first turn (input and output), without the instructions
+    alone = tclient.responses.create(input="and?", store=False, **kw)
+    with_first = tclient.responses.create(input=[
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "and?"},
+    ], store=False, **kw)  # fmt: skip
+    assert second.usage.input_tokens == with_first.usage.input_tokens > alone.usage.input_tokens
+    assert second.output_text == with_first.output_text
+    third = tclient.responses.create(input="so?", previous_response_id=second.id, **kw)
+    assert third.usage.input_tokens > second.usage.input_tokens
+    deleted = httpx.delete(f"{tools_server.url}/v1/responses/{first.id}", timeout=10).json()
+    assert deleted == {"id": first.id, "object": "response", "deleted": True}
+    for bad in (first.id, alone.id, "resp_nope"):
+        r = httpx.get(f"{tools_server.url}/v1/responses/{bad}", timeout=10)
+        assert r.status_code == 404
+        assert r.json() == {"error": {
+            "message": f"Response with id '{bad}' not found.",
+            "type": "invalid_request_error", "param": None, "code": None,
+        }}  # fmt: skip
+    with pytest.raises(openai.NotFoundError) as e:
+        tclient.responses.create(input="x", previous_response_id=first.id, stream=True, **kw)
+    assert e.value.body["param"] == "previous_response_id"
+    assert httpx.delete(f"{tools_server.url}/v1/responses/{first.id}").status_code == 404
+    assert tclient.responses.retrieve(third.id).previous_response_id == second.id
+    wait_idle(tools_server.url)
 
 
 @pytest.mark.parametrize(
     "kw,param",
     [
-        ({"previous_response_id": "resp_123"}, "previous_response_id"),
-        ({"store": True}, "store"),
         ({"input": [{"type": "image_generation_call"}]}, "input"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         (

@@ -4,6 +4,7 @@ streamed calls as OpenAI streams them, LangChain, and refusals."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import jsonschema
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from tests.conftest import ServerProcess, build_byte_tokenizer, openai_schema_validator, wait_idle
+from tests.tool_templates import TEMPLATES
 
 WEATHER_PARAMS = {
     "type": "object",
@@ -186,22 +188,23 @@ OTHER_FORMATS = {
 
 
 @pytest.fixture(scope="module", params=sorted(OTHER_FORMATS))
-def parser_server(request, tools_model_dir):
+def parser_server(request, tools_model_dir, tmp_path_factory):
+    """The tiny model with a chat template in the parser's style, served with no tool flags."""
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    shutil.copytree(tools_model_dir, path, dirs_exist_ok=True)
+    (path / "chat_template.jinja").write_text(TEMPLATES[request.param][0])
     server = ServerProcess(
-        str(tools_model_dir),
-        "--dtype", "float32",
-        "--served-model-name", "tiny",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser", request.param,
-    ).wait_ready()  # fmt: skip
+        str(path), "--dtype", "float32", "--served-model-name", "tiny"
+    ).wait_ready()
     yield request.param, server
     server.stop()
 
 
 def test_auto_with_each_other_parser(parser_server):
-    """`--tool-call-parser llama3_json|mistral|pythonic`: the call a regex makes the random
-    model write is found, whole and streamed, with the same arguments."""
+    """No tool flags, a llama3_json|mistral|pythonic chat template: the parser read from it
+    (and logged) finds the call a regex makes the random model write, whole and streamed."""
     name, server = parser_server
+    assert f"tool calling: auto, parser {name} (the chat template writes" in server.log()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     regex, content = OTHER_FORMATS[name]
     kw = dict(extra_body={"structured_outputs": {"regex": regex}}, seed=1, temperature=1.0)
@@ -296,8 +299,8 @@ def test_history_with_tool_calls_is_rendered_by_the_template(tclient, tools_mode
             "tools",
         ),
         (
-            {"tool_choice": "required", "response_format": {"type": "json_object"}},
-            "response_format",
+            {"tool_choice": "required", "structured_outputs": {"json": {"type": "object"}}},
+            "structured_outputs",
         ),
     ],
 )

@@ -150,3 +150,11 @@ def test_matcher_rollback_and_eos(tokenizer, compiler):
     assert m.rollback(1) and run_tokens(tokenizer, m, "ab") and m.is_accepting()
     assert m.consume_token(tokenizer.eos_token_id)
     assert json.loads(GrammarSpec.choice(["x"]).text) == ["x"]
+
+
+def test_property_order_is_kept_other_keys_sorted(tokenizer, compiler):
+    """strict outputs keep the schema's key order (OpenAI's); other keys do not split the cache."""
+    a = GrammarSpec.json_schema({"type": "object", "properties": {"z": {}, "a": {}}})
+    b = GrammarSpec.json_schema({"properties": {"z": {}, "a": {}}, "type": "object"})
+    assert a == b and json.loads(a.text)["properties"] == {"z": {}, "a": {}}
+    assert list(json.loads(a.text)["properties"]) == ["z", "a"]

@@ -101,5 +101,9 @@ def test_history_arguments_become_objects():
     out = template_messages(history)
     assert out[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert out[1] == history[1]
+    # arguments that are no JSON (a call cut by the token limit, sent back) stay text
+    cut_call = {"function": {"arguments": "{"}}
+    cut = template_messages([{"role": "assistant", "tool_calls": [cut_call]}])
+    assert cut[0]["tool_calls"][0]["function"]["arguments"] == "{"
     with pytest.raises(SamplingParamsError):
-        template_messages([{"role": "assistant", "tool_calls": [{"function": {"arguments": "{"}}]}])
+        template_messages([{"role": "assistant", "tool_calls": [{"function": "f"}]}])

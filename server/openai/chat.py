@@ -124,7 +124,7 @@ class ChatChoiceFormatter:
         c = out.outputs[0]
         read = self.reader.feed(c.text)
         if c.finish_reason is not None:
-            tail = self.reader.finish()
+            tail = self.reader.finish(cut=c.finish_reason == "length")
             read = StreamDelta(read.content + tail.content, read.tool_calls + tail.tool_calls)
         self.content += read.content
         calls = self._add_calls(read)
@@ -189,11 +189,12 @@ class ChatRun:
     plan: ToolPlan
 
 
-def plan_chat_tools(ctx: ServingContext, body: ChatCompletionRequest) -> ToolPlan:
+def plan_chat_tools(
+    ctx: ServingContext, body: ChatCompletionRequest, answer: GrammarSpec | None = None
+) -> ToolPlan:
     try:
-        return plan_tools(
-            body.tools, body.tool_choice, body.parallel_tool_calls, ctx.tool_call_parser is not None
-        )
+        auto = ctx.tool_call_parser is not None
+        return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, auto, answer)
     except SamplingParamsError as e:
         raise APIError(400, str(e), param=e.param) from e
 
@@ -202,18 +203,22 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request
     """Every refusal for a chat request, before any response: model, tools, sampling fields,
     grammar (compiled here, off the engine thread), template, limits, queue."""
     ctx.check_model(body.model)
-    plan = plan_chat_tools(ctx, body)
     params = to_sampling_params(body, defaults=ctx.generation_defaults)
     source = body.grammar_source()
     param = source[1] if source else None
+    # a response_format is the final answer's: it joins "auto" calls in one grammar, and a
+    # forced call ("required", named) comes before the answer
+    answer = source[0] if param == "response_format" else None
+    plan = plan_chat_tools(ctx, body, answer)
     for fn in plan.functions if plan.mode != "none" else []:  # each schema must compile
         fn_params = replace(params, structured_outputs=GrammarSpec.json_schema(fn["parameters"]))
         await compile_grammar(ctx, fn_params, "tools")
     if plan.grammar is not None:
-        if source is not None:
+        if source is not None and answer is None:
             msg = f"{param} cannot be combined with tool_choice {plan.mode!r}"
             raise APIError(400, msg, param=param)
-        params, param = replace(params, structured_outputs=plan.grammar), "tools"
+        params = replace(params, structured_outputs=plan.grammar)
+        param = "response_format" if plan.mode == "auto" else "tools"
     await compile_grammar(ctx, params, param)
     tools = body.tools if plan.functions else None
     refs = collect_image_refs(body.messages)

@@ -1,4 +1,4 @@
-"""POST /v1/responses (stateless): read as a chat request, answered as a Response or typed SSE.
+"""POST /v1/responses: read as a chat request, answered as a Response or typed SSE.
 
     response.created -> response.in_progress
     -> per output item: response.output_item.added
@@ -8,7 +8,9 @@
        response.output_item.done
     -> response.completed (status "incomplete" with reason max_output_tokens at the limit)
 
-Every refusal (including `previous_response_id` and `store: true`) happens before the stream.
+Every refusal (an unknown `previous_response_id` too) happens before the stream. A completed
+response is stored (`store`, default true) for `previous_response_id`, GET, DELETE and its input
+items (server/openai/responses_store.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from server.openai.responses_protocol import (
     response_object,
     responses_usage,
 )
+from server.openai.responses_store import StoredResponse, with_ids
 from server.openai.serving import ServingContext
 from server.openai.streaming import GenerationDriver, sse_event
 from server.request_id import current_request_id
@@ -45,18 +48,22 @@ _RESPONSES_PARAMS = {
 
 
 async def create_response(ctx: ServingContext, body: ResponsesRequest):
-    chat_body = _as_chat(body)
+    history = []
+    if body.previous_response_id is not None:
+        previous = ctx.responses.get(body.previous_response_id, "previous_response_id")
+        history = previous.conversation
+    chat_body = _as_chat(body, history)
     try:
         run = await prepare_chat(ctx, chat_body, f"resp_{current_request_id()}")
     except APIError as e:  # name the Responses field, not the chat one it became
         e.param = _RESPONSES_PARAMS.get(e.param, e.param)
         raise
-    return await ResponseWriter(ctx, body, run).respond(body.stream)
+    return await ResponseWriter(ctx, body, run, history).respond(body.stream)
 
 
-def _as_chat(body: ResponsesRequest):
+def _as_chat(body: ResponsesRequest, history: list[dict]):
     try:
-        return body.to_chat_request()
+        return body.to_chat_request(history)
     except SamplingParamsError as e:
         raise APIError(400, str(e), param=e.param) from e
     except ValidationError as e:  # an item the chat request cannot hold (a role, a part)
@@ -70,9 +77,12 @@ class ResponseWriter(GenerationDriver):
 
     done = None
 
-    def __init__(self, ctx: ServingContext, body: ResponsesRequest, run: ChatRun) -> None:
+    def __init__(
+        self, ctx: ServingContext, body: ResponsesRequest, run: ChatRun, history: list[dict]
+    ) -> None:
         super().__init__(ctx, [run.prompt_ids], run.choices)
-        self.body, self.run = body, run
+        self.body, self.run, self.history = body, run, history
+        self.stored = body.store is not False and ctx.responses.max_size > 0
         self.reader = ToolCallReader(run.plan, ctx.tool_call_parser)
         self.state = self.states[0]  # the one choice (Responses has no n)
         self.items: list[dict] = []  # output items, in order; the open one is last
@@ -86,7 +96,7 @@ class ResponseWriter(GenerationDriver):
         self._collect(out)
 
     def response_body(self) -> dict:
-        return self._response("completed")
+        return self._store(self._response("completed"))
 
     def opening(self) -> list[str]:
         start = self._response("in_progress")
@@ -98,7 +108,7 @@ class ResponseWriter(GenerationDriver):
         return "".join([_send(event) for event in self._collect(out)]) or None
 
     def closing(self) -> list[str]:
-        final = self._response("completed")
+        final = self._store(self._response("completed"))
         incomplete = final["status"] == "incomplete"
         kind = "response.incomplete" if incomplete else "response.completed"
         return [_send(self._event(kind, response=final))]
@@ -111,7 +121,8 @@ class ResponseWriter(GenerationDriver):
         """Takes in one engine output (its usage already counted); returns the events it makes."""
         events = self._apply(self.reader.feed(out.outputs[0].text))
         if out.finished:
-            events += self._apply(self.reader.finish())
+            cut = out.outputs[0].finish_reason == "length"
+            events += self._apply(self.reader.finish(cut))
             events += self._close_open()
         return events
 
@@ -180,6 +191,13 @@ class ResponseWriter(GenerationDriver):
         )
         return [done, self._item_event("response.output_item.done", item)]
 
+    def _store(self, final: dict) -> dict:
+        if self.stored:
+            items = with_ids(self.body.input_items())
+            conversation = [*self.history, *items, *final["output"]]
+            self.ctx.responses.put(final["id"], StoredResponse(final, items, conversation))
+        return final
+
     def _event(self, kind: str, **fields) -> dict:
         event = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
@@ -214,6 +232,7 @@ class ResponseWriter(GenerationDriver):
             output,
             usage,
             "max_output_tokens" if limited else None,
+            self.stored,
         )
 
 

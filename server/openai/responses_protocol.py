@@ -1,4 +1,4 @@
-"""The Responses API's shapes (stateless): the request, read as a chat request, and the output.
+"""The Responses API's shapes: the request, read as a chat request, and the output.
 
 input (string | items) + instructions --> chat messages (function_call items become an
 assistant message's tool_calls, function_call_output items tool messages)
@@ -40,19 +40,11 @@ class ResponsesRequest(BaseModel):
     metadata: dict | None = None
     user: str | None = None
 
-    def check_stateless(self) -> None:
-        if self.previous_response_id is not None:
-            msg = "previous_response_id is not supported: this server stores no responses"
-            raise SamplingParamsError("previous_response_id", msg)
-        if self.store:
-            msg = "store=true is not supported: this server stores no responses; send store=false"
-            raise SamplingParamsError("store", msg)
-
-    def to_chat_request(self) -> ChatCompletionRequest:
-        self.check_stateless()
+    def to_chat_request(self, history: list[dict] | None = None) -> ChatCompletionRequest:
+        """`history`: the items of the previous response's conversation, before the input."""
         return ChatCompletionRequest(
             model=self.model,
-            messages=self.messages(),
+            messages=self.messages(history or []),
             max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -62,14 +54,22 @@ class ResponsesRequest(BaseModel):
             response_format=_response_format(self.text),
         )
 
-    def messages(self) -> list[dict]:
-        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+    def input_items(self) -> list[dict]:
+        """The input as items (a string is one user message)."""
         if isinstance(self.input, str):
-            return [*messages, {"role": "user", "content": self.input}]
-        for i, item in enumerate(self.input):
-            messages.extend(_item_messages(item, i, messages))
-        if not messages:
+            part = {"type": "input_text", "text": self.input}
+            return [{"type": "message", "role": "user", "content": [part]}]
+        return self.input
+
+    def messages(self, history: list[dict]) -> list[dict]:
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        items = self.input_items()
+        if not items:
             raise SamplingParamsError("input", "input must not be empty")
+        for i, item in enumerate([*history, *items]):
+            if not isinstance(item, dict):
+                raise SamplingParamsError("input", f"input[{i - len(history)}] must be an object")
+            messages.extend(_item_messages(item, i - len(history), messages))
         return messages
 
 
@@ -162,6 +162,7 @@ def response_object(
     output: list[dict] | None = None,
     usage: dict | None = None,
     incomplete_reason: str | None = None,
+    stored: bool = False,
 ) -> dict[str, Any]:
     return {
         "id": response_id,
@@ -175,9 +176,9 @@ def response_object(
         "model": model,
         "output": output or [],
         "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "previous_response_id": None,
+        "previous_response_id": body.previous_response_id,
         "reasoning": None,
-        "store": False,
+        "store": stored,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
         "tool_choice": body.tool_choice or "auto",

@@ -18,6 +18,7 @@ from engine.sampling_params import GrammarError, SamplingParams, SamplingParamsE
 from server.openai.errors import APIError, engine_error
 from server.openai.logprobs import TokenStrings
 from server.openai.protocol import PromptTokensDetails, UsageInfo
+from server.openai.responses_store import ResponseStore
 
 _INT64_MAX = 2**63 - 1
 _DONE = object()
@@ -36,6 +37,8 @@ class ServingContext:
     generation_defaults: dict = field(default_factory=dict)
     # --enable-auto-tool-choice / --tool-call-parser (None: "auto" tool choice is refused)
     tool_call_parser: str | None = None
+    # stored /v1/responses (--responses-store-size)
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(1000))
 
     @classmethod
     def build(cls, engine: AsyncEngine) -> ServingContext:

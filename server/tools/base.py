@@ -142,8 +142,9 @@ class PrefixStreamer:
         self.text += text
         return self._send(self.parse(self.text, False))
 
-    def finish(self) -> StreamDelta:
-        return self._send(self.parse(self.text, True))
+    def finish(self, cut: bool = False) -> StreamDelta:
+        """The end of the text; `cut` (the token limit): what is still undecided is dropped."""
+        return self._send(self.parse(self.text, not cut))
 
     def _send(self, parsed: Parsed) -> StreamDelta:
         assert len(parsed.content) >= self.num_content and len(parsed.calls) >= len(self.num_args)

@@ -113,14 +113,16 @@ class HermesToolStreamer:
             pass
         return out
 
-    def finish(self) -> StreamDelta:
-        """At the end of the text: an unclosed call is read as if its tag closed here."""
+    def finish(self, cut: bool = False) -> StreamDelta:
+        """At the end of the text: an unclosed call is read as if its tag closed here. `cut`
+        (the token limit): a call whose name is incomplete, or a partial tag, is dropped."""
         out = StreamDelta()
-        if self.in_call:
+        if self.in_call and not (cut and self.head is None):
             self._stream_arguments(out, final=True)
             self._close_call(out, self.buffer, "")
-        else:
+        elif not cut:
             out.content += self.buffer
+        self.in_call = False
         self.buffer = ""
         return out
 
@@ -181,5 +183,3 @@ class HermesToolStreamer:
                 out.tool_calls.append(d)
                 self.num_calls += 1
         self.in_call, self.head = False, None
-
-

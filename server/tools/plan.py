@@ -2,16 +2,23 @@
 
     tool_choice   what constrains the output              how calls are read      finish_reason
     "none"        nothing (tools still reach the template) no calls               as generated
-    "auto"        nothing                                  --tool-call-parser      "tool_calls"
+    "auto"        nothing                                  the template's parser   "tool_calls"
+    "auto" with   grammar: hermes calls | the schema        hermes                  "tool_calls"
+     response_format
     "required"    grammar: one or more hermes calls        hermes                  "tool_calls"
     named         grammar: that function's parameters      the text is arguments   "stop"
 
 A forced call is written in the hermes format (`<tool_call>\\n{"name": ..., "arguments": ...}
-\\n</tool_call>`), name first, so its arguments stream as they are generated.
+\\n</tool_call>`), name first, so its arguments stream as they are generated. With a
+response_format, "required" / named force the call (the schema is for the final answer, after the
+tool results) and "auto" lets the model call or answer in the schema. `parallel_tool_calls:
+false` allows one call. Whitespace that only separates calls is no content; a call cut by the
+token limit leaves no markup in the content.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Literal
@@ -32,6 +39,8 @@ class ToolPlan:
     functions: list[dict]  # each {"name", "description"?, "parameters"}
     grammar: GrammarSpec | None = None
     function_name: str | None = None  # the named function
+    parallel: bool = True
+    parser: str | None = None  # the format a grammar forces ("hermes"); None: the server's
 
     @property
     def parses_calls(self) -> bool:
@@ -62,7 +71,9 @@ def plan_tools(
     tool_choice: str | dict | None,
     parallel_tool_calls: bool | None,
     auto_enabled: bool,
+    answer: GrammarSpec | None = None,
 ) -> ToolPlan:
+    """`answer`: the response_format grammar, if any (json or json_object)."""
     functions = check_tools(tools)
     if not functions:
         if tool_choice not in (None, "none"):
@@ -71,14 +82,18 @@ def plan_tools(
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
         return ToolPlan("none", functions)
+    parallel = parallel_tool_calls is not False
     if choice == "auto":
         if not auto_enabled:
-            msg = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'
+            msg = '"auto" tool choice is off on this server (--disable-auto-tool-choice)'
             raise SamplingParamsError("tool_choice", msg)
-        return ToolPlan("auto", functions)
+        if answer is None:
+            return ToolPlan("auto", functions, parallel=parallel)
+        grammar = required_grammar(functions, parallel, answer)
+        return ToolPlan("auto", functions, grammar, parallel=parallel, parser="hermes")
     if choice == "required":
-        grammar = required_grammar(functions, parallel_tool_calls is not False)
-        return ToolPlan("required", functions, grammar)
+        grammar = required_grammar(functions, parallel)
+        return ToolPlan("required", functions, grammar, parallel=parallel, parser="hermes")
     name = _named_function(choice)
     fn = next((f for f in functions if f["name"] == name), None)
     if fn is None:
@@ -100,9 +115,21 @@ def _with_layout(schema: dict) -> dict:
     return {**schema, "x-guidance": {**_X_GUIDANCE, **schema.get("x-guidance", {})}}
 
 
-def required_grammar(functions: list[dict], parallel: bool) -> GrammarSpec:
-    """Lark: one hermes call to any of the functions (or several, newline-separated)."""
-    rules = [f"start: call ({json.dumps(chr(10))} call)*" if parallel else "start: call"]
+def _answer_rule(answer: GrammarSpec) -> str:
+    schema = {"type": "object"} if answer.kind == "json_object" else json.loads(answer.text)
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    return f"answer: %json {json.dumps(_with_layout(schema), ensure_ascii=False)}"
+
+
+def required_grammar(
+    functions: list[dict], parallel: bool, answer: GrammarSpec | None = None
+) -> GrammarSpec:
+    """Lark: one hermes call to any of the functions (or several, newline-separated); with
+    `answer`, either those calls or a JSON answer in its schema."""
+    calls = f"call ({json.dumps(chr(10))} call)*" if parallel else "call"
+    rules = [f"start: calls | answer\ncalls: {calls}", _answer_rule(answer)] if answer else []
+    rules = rules or [f"start: {calls}"]
     rules.append("call: " + " | ".join(f"fn{i}" for i in range(len(functions))))
     tail = json.dumps("}\n</tool_call>")
     for i, fn in enumerate(functions):
@@ -133,10 +160,9 @@ def _call_for_template(call: dict) -> dict:
     fn = dict(fn)
     args = fn.get("arguments")
     if isinstance(args, str):
-        try:
+        # a call cut by the token limit comes back as it was sent: its text stays text
+        with contextlib.suppress(json.JSONDecodeError):
             fn["arguments"] = json.loads(args)
-        except json.JSONDecodeError as e:
-            raise SamplingParamsError("messages", "tool call arguments must be JSON") from e
     return {**call, "function": fn}
 
 
@@ -146,15 +172,16 @@ class ToolCallReader:
     def __init__(self, plan: ToolPlan, parser_name: str | None) -> None:
         self.plan = plan
         self.streamer = None
-        if plan.parses_calls:  # forced calls are written in the hermes format whatever the flag
-            self.streamer = get_tool_parser(parser_name if plan.mode == "auto" else "hermes")
-            self.streamer = self.streamer.streamer()
+        if plan.parses_calls:  # a grammar's calls are in its format whatever the server's
+            self.streamer = get_tool_parser(plan.parser or parser_name or "hermes").streamer()
         self.call_id: str | None = None
         self.num_calls = 0
+        self.held = ""  # leading whitespace held back: no content if only calls follow
+        self.has_text = False  # content other than whitespace was sent
 
     def feed(self, text: str) -> StreamDelta:
         if self.streamer is not None:
-            return self._count(self.streamer.feed(text))
+            return self._tidy(self.streamer.feed(text), final=False)
         if self.plan.mode != "named":
             return StreamDelta(content=text)
         out = StreamDelta()
@@ -166,14 +193,24 @@ class ToolCallReader:
             out.tool_calls.append(ToolCallDelta(0, arguments=text))
         return out
 
-    def finish(self) -> StreamDelta:
+    def finish(self, cut: bool = False) -> StreamDelta:
+        """The end of the text; `cut`: it ended at the token limit (an open call's markup is
+        dropped, not sent as content)."""
         if self.streamer is not None:
-            return self._count(self.streamer.finish())
+            return self._tidy(self.streamer.finish(cut), final=True)
         return self.feed("") if self.plan.mode == "named" else StreamDelta()
 
-    def _count(self, delta: StreamDelta) -> StreamDelta:
-        self.num_calls += sum(1 for d in delta.tool_calls if d.name is not None)
-        return delta
+    def _tidy(self, delta: StreamDelta, final: bool) -> StreamDelta:
+        """Counts the calls, drops calls past the first without parallel_tool_calls, and holds
+        whitespace until text follows (dropped at the end when there are calls and no text)."""
+        calls = [d for d in delta.tool_calls if self.plan.parallel or d.index == 0]
+        self.num_calls += sum(1 for d in calls if d.name is not None)
+        content = self.held + delta.content
+        self.held = ""
+        if not self.has_text and not content.strip() and not (final and not self.num_calls):
+            self.held, content = ("" if final else content), ""
+        self.has_text = self.has_text or bool(content.strip())
+        return StreamDelta(content, calls)
 
     def finish_reason(self, generated: str | None) -> str | None:
         """OpenAI's: "tool_calls" when auto or required produced calls; a named call "stop"."""

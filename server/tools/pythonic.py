@@ -2,10 +2,11 @@
 
     [get_weather(city="Paris", days=3), get_time(zone=1)]
 
-Argument values are Python literals (strings, numbers, True/False/None, lists, dicts), sent as
-JSON. Output that does not open with such a list is content, all of it. A call is sent whole
-(id, name and arguments) once its closing parenthesis arrives: its arguments are re-written as
-JSON, so they cannot stream before the call is read. What follows the list is content.
+Argument values are Python literals (strings, numbers, True/False/None, lists, dicts; JSON's
+true/false/null too), sent as JSON. Output that does not open with such a list is content, all
+of it. A call is sent whole (id, name and arguments) once its closing parenthesis arrives: its
+arguments are re-written as JSON, so they cannot stream before the call is read. What follows the
+list is content.
 """
 
 from __future__ import annotations
@@ -25,6 +26,18 @@ def call_end(text: str, start: int) -> int | None:
     return bracket_end(text, start, quotes="'\"")
 
 
+class _JsonNames(ast.NodeTransformer):
+    """JSON's true / false / null read as Python's literals (templates that write values with
+    `tojson` teach models to write them)."""
+
+    VALUES = {"true": True, "false": False, "null": None}
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:  # noqa: N802 - ast's visitor name
+        if node.id in self.VALUES:
+            return ast.copy_location(ast.Constant(self.VALUES[node.id]), node)
+        return node
+
+
 def read_call(source: str) -> tuple[str, str] | None:
     """(name, JSON arguments) of one `f(a=1, ...)`, None if it is not such a call."""
     try:
@@ -35,7 +48,7 @@ def read_call(source: str) -> tuple[str, str] | None:
         for kw in node.keywords:
             if kw.arg is None:
                 return None
-            kwargs[kw.arg] = ast.literal_eval(kw.value)
+            kwargs[kw.arg] = ast.literal_eval(_JsonNames().visit(kw.value))
         return ast.unparse(node.func), json.dumps(kwargs, ensure_ascii=False, allow_nan=False)
     except (SyntaxError, ValueError, TypeError, RecursionError):
         return None
