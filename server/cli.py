@@ -7,189 +7,65 @@ import faulthandler
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 import yaml
 
-from engine.config import QUANTIZATION_METHODS, EngineConfig
-from server.tools.registry import TOOL_PARSERS
+from engine.config import EngineConfig
+from server import cli_flags
+from server.cli_help import EXAMPLES, ServeHelpFormatter, group_help
 
 logger = logging.getLogger("pagedserve")
 
 
+# The --help groups, in vLLM's order: (title, one-line description, the functions adding its
+# flags). A new area's `_add_<area>_args(p)` goes into the group it belongs to; every flag
+# needs a help text (tests/test_cli_help.py fails otherwise, and on docs/serving.md drifting:
+# `python -m server.cli_help --markdown --write docs/serving.md` regenerates its table).
+SERVE_GROUPS: list[tuple[str, str, list[Callable]]] = [
+    ("model", "what is served and how it computes", [cli_flags.add_model_args]),
+    ("cache", "the paged KV cache", [cli_flags.add_cache_args]),
+    ("scheduler", "batching and queueing", [cli_flags.add_scheduler_args]),
+    ("parallel", "ranks, workers and hosts", [cli_flags.add_parallel_args]),
+    (
+        "frontend",
+        "the HTTP server and its endpoints",
+        [cli_flags.add_frontend_args, cli_flags.add_connection_args],
+    ),
+    ("security", "who may call and how much they may send", [cli_flags.add_security_args]),
+    ("logging", "what the server logs", [cli_flags.add_logging_args]),
+]
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="HF folder or .gguf file; omitted: embedded SmolLM2-135M-Instruct",
-    )
-    p.add_argument("--config", help="YAML file of flags (CLI flags win)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--block-size", type=int, help="default 16; 256 on flash-attn 2")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        help="tokens per step; default 512 on CPU, 2048 on GPU",
-    )
-    p.add_argument("--num-gpu-blocks-override", type=int)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--kv-cache-memory-bytes", type=int)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--quantization",
-        choices=list(QUANTIZATION_METHODS),
-        help="int8: W8A8 decoder linears (per-channel weight, per-token activation scales); "
-        "gguf: a .gguf file's quantized linears served packed",
-    )
-    p.add_argument(
-        "--speculative-config",
-        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
-    )
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
-    p.add_argument(
-        "--max-num-queued-reqs",
-        type=int,
-        help="waiting-queue bound; beyond it requests get 503 with Retry-After",
-    )
-    p.add_argument(
-        "--protect-metrics",
-        action="store_true",
-        help="require the API key on /metrics too (public by default, like vLLM)",
-    )
-    p.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=4 * 1024 * 1024,
-        help="larger request bodies get 413",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        help="seconds a request may take end to end; then it is aborted with an error",
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, seconds in-flight requests get to finish before they are failed; "
-        "0: fail them at once",
-    )
-    _add_connection_args(p)
-    p.add_argument(
-        "--engine-stall-timeout",
-        type=float,
-        default=60.0,
-        help="/health turns 503 (and the process exits 1) after this long without engine "
-        "progress while work is pending",
-    )
-    p.add_argument(
-        "--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"]
-    )
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    _add_parallel_args(p)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
-    p.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="a request's greedy tokens independent of the batch (CPU kernels; also "
-        "PAGEDSERVE_BATCH_INVARIANT=1 or VLLM_BATCH_INVARIANT=1)",
-    )
-    p.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='tool_choice "auto": read tool calls from the text with --tool-call-parser',
-    )
-    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), help="e.g. hermes")
-    p.add_argument(
-        "--grammar-compile-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a structured-output grammar may take to compile; slower ones get 400",
-    )
-    p.add_argument("--log-level", default="info")
-    p.add_argument(
-        "--disable-playground",
-        action="store_true",
-        help="no playground page at / and no /kv/snapshot, /kv/stream (404)",
-    )
-
-
-def _add_parallel_args(p: argparse.ArgumentParser) -> None:
-    """Executor and multi-host flags (engine/executor/executor.py), named as vLLM's."""
-    p.add_argument(
-        "--distributed-executor-backend",
-        choices=["uni", "mp"],
-        help="uni: the model in the server's process; mp: in worker processes (a worker crash "
-        "is reported, the server exits 1); default uni at one rank, mp above",
-    )
-    p.add_argument("--nnodes", type=int, default=1, help="hosts one replica spans")
-    p.add_argument("--node-rank", type=int, default=0, help="this host's index, 0 serves HTTP")
-    p.add_argument(
-        "--master-addr", default="127.0.0.1", help="node 0's address for the rendezvous"
-    )
-    p.add_argument("--master-port", type=int, help="rendezvous port; default a free one")
-    p.add_argument(
-        "--headless",
-        action="store_true",
-        help="run only this host's model workers (node rank > 0), no HTTP server",
-    )
-
-
-def _add_connection_args(p: argparse.ArgumentParser) -> None:
-    """Connection-level limits (server/connection_guard.py); names follow uvicorn's flags."""
-    p.add_argument(
-        "--timeout-keep-alive",
-        type=float,
-        default=65.0,
-        help="seconds an idle keep-alive connection stays open; longer than client pools and "
-        "load balancers keep idle connections, so reuse does not race the close",
-    )
-    p.add_argument(
-        "--timeout-request-header",
-        type=float,
-        default=20.0,
-        help="seconds a request's headers may take (from the accept, or from the first byte "
-        "on a reused connection); then 408 and close",
-    )
-    p.add_argument(
-        "--timeout-request-body",
-        type=float,
-        default=60.0,
-        help="seconds a request's body may take after its headers; then 408 and close",
-    )
-    p.add_argument(
-        "--limit-connections",
-        type=int,
-        help="open connections beyond which new ones get 503; default and upper bound: the "
-        "descriptor limit (ulimit -n) less a reserve",
-    )
-    p.add_argument(
-        "--limit-concurrency",
-        type=int,
-        help="requests in flight beyond which new ones get 503 (/health, /ping, /metrics, "
-        "/version exempt); default: bounded by the connections only",
-    )
-    p.add_argument("--backlog", type=int, default=2048, help="listen() backlog")
+    for title, description, adders in SERVE_GROUPS:
+        group = p.add_argument_group(title, description)
+        for add in adders:
+            add(group)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(prog="pagedserve")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve_parser = sub.add_parser("serve", help="serve a model over an OpenAI-compatible API")
+    serve_parser = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible API",
+        usage="pagedserve serve [MODEL] [flags]  (--help=GROUP for one group)",
+        description="Serve a model over an OpenAI-compatible HTTP API (flags named as vLLM's).",
+        formatter_class=ServeHelpFormatter,
+        epilog=EXAMPLES,
+    )
     _add_serve_args(serve_parser)
     return parser, serve_parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser, serve_parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    asked = [a.split("=", 1)[1] for a in argv if a.startswith("--help=")]
+    if asked:  # vLLM's --help=GROUP: one group's flags
+        print(group_help(serve_parser, asked[0]), end="")
+        sys.exit(0)
     args = parser.parse_args(argv)
     if args.config:  # YAML values become defaults, so explicit flags still win
         with open(args.config) as f:
