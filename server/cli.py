@@ -111,7 +111,7 @@ def serve(args: argparse.Namespace) -> int:
         backlog=args.backlog,
     )
     settings = LifecycleSettings(args.shutdown_timeout, args.engine_stall_timeout)
-    build = lambda: build_server(args, state)
+    build = lambda: build_server(args, state, switch.set_stage)
     return asyncio.run(run_server(config, switch, state, build, settings))
 
 
@@ -140,17 +140,17 @@ def guard_settings(args: argparse.Namespace):
     )
 
 
-def build_server(args: argparse.Namespace, state=None):
+def build_server(args: argparse.Namespace, state=None, stage=lambda _: None):
     """Loads the model and builds the app (on the loader thread); returns (engine, app).
 
-    state: the ServerState whose draining flag ends the app's long-lived streams."""
+    state: the ServerState whose draining flag ends the app's long-lived streams; stage: told
+    what loading is doing (the 503 body while it loads)."""
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
     from server.app import build_app
     from server.metrics import Metrics
 
-    engine = LLMEngine(engine_config(args))
-    print(f"pagedserve: attention backend: {engine.executor.backend_name}", flush=True)
+    engine = LLMEngine(_prepare(engine_config(args), stage))
     metrics = Metrics(engine.model_name)
     if state is not None:
         metrics.watch_connections(state.connections)
@@ -163,6 +163,22 @@ def build_server(args: argparse.Namespace, state=None):
         app.state.is_draining = lambda: state.draining
     async_engine.start()
     return async_engine, app
+
+
+def _prepare(config: EngineConfig, stage) -> EngineConfig:
+    """The slow first-start steps, each named to /health: the model files (a GGUF converted
+    once), the CPU kernels (compiled once per source change); then the weights and KV cache."""
+    from engine.model_loader.loader import resolve_model
+    from pagedserve_kernels import cpu_ops
+
+    stage("reading the model (a GGUF is converted on first use)")
+    resolve_model(config.model)  # cached: the engine's own call finds the result
+    if config.device in ("auto", "cpu") and cpu_ops.cpu_kernels_enabled():
+        if not cpu_ops.is_built():
+            stage(f"compiling the CPU kernels ({cpu_ops.BUILD_TIME_HINT})")
+        cpu_ops.load_cpu_ops()
+    stage("loading the weights and allocating the KV cache")
+    return config
 
 
 def run_headless(args: argparse.Namespace) -> int:

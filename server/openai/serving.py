@@ -52,7 +52,7 @@ class ServingContext:
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
-            msg = f"The model `{requested}` does not exist."
+            msg = f"The model `{requested}` does not exist. Served models: `{self.model_name}`."
             raise APIError(404, msg, "NotFoundError", "model", "model_not_found")
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
