@@ -96,3 +96,23 @@ def test_docs_table_is_the_parser():
         "docs/serving.md's flags table drifted from server/cli_flags.py; regenerate it with "
         "`python -m server.cli_help --markdown --write docs/serving.md`"
     )
+
+
+def test_make_serve_port_is_one_flag():
+    """`make serve PORT=8742` passes one --port; without HOST/PORT the CLI's defaults apply."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+
+    def serve_line(*assignments: str) -> str:
+        out = subprocess.run(
+            ["make", "-n", "-o", ".venv/.setup-done", "serve", *assignments],
+            cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip  (-o: setup is taken as done, so a dry run runs nothing)
+        return next(line for line in out.splitlines() if "pagedserve serve" in line)
+
+    assert serve_line("PORT=8742").split().count("--port") == 1
+    assert "--port 8742" in serve_line("PORT=8742")
+    assert "--port" not in serve_line() and "--host" not in serve_line()
+    assert serve_line("ARGS=--port 9000").split().count("--port") == 1
