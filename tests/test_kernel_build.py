@@ -45,3 +45,21 @@ def test_setup_builds_the_kernels_ahead():
         cwd=ROOT, capture_output=True, text=True, timeout=900, check=True,
     )  # fmt: skip
     assert out.stdout.startswith("pagedserve CPU kernels: ")
+
+
+def test_loading_names_each_stage_to_health(monkeypatch):
+    """build_server tells /health what it is doing: the model files, then (when the build is
+    missing) the kernel compile with its usual time, then the weights and KV cache."""
+    import engine.model_loader.loader as loader
+    from engine.config import EngineConfig
+    from server import cli
+
+    stages: list[str] = []
+    monkeypatch.setattr(loader, "resolve_model", lambda model: stages.append("resolved"))
+    monkeypatch.setattr(cpu_ops, "is_built", lambda build_dir=None: False)
+    monkeypatch.setattr(cpu_ops, "load_cpu_ops", lambda: stages.append("loaded"))
+    monkeypatch.setattr(cpu_ops, "cpu_kernels_enabled", lambda: True)
+    cli._prepare(EngineConfig(device="cpu"), stages.append)
+    assert stages[0].startswith("reading the model") and stages[1] == "resolved"
+    assert stages[2].startswith("compiling the CPU kernels (about 35 s")
+    assert stages[3:] == ["loaded", "loading the weights and allocating the KV cache"]
