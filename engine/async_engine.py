@@ -149,7 +149,11 @@ class AsyncEngine:
         """The caller's own copy: the engine thread decodes with the engine's, concurrently."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.engine.model_dir)
+        from engine.startup_log import quiet_tokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.engine.model_dir)
+        quiet_tokenizer(tokenizer)
+        return tokenizer
 
     @property
     def num_waiting(self) -> int:

@@ -43,7 +43,8 @@ def native_bf16_flag(flags: set[str] | None = None) -> str | None:
 
 def stored_dtype(hf_config) -> str | None:
     """The checkpoint's dtype as config.json declares it (`torch_dtype`, or `dtype`)."""
-    stored = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    # `dtype` first: reading transformers 5's deprecated `torch_dtype` property logs a warning
+    stored = getattr(hf_config, "dtype", None) or vars(hf_config).get("torch_dtype")
     return str(stored).replace("torch.", "") if stored else None
 
 

@@ -31,10 +31,10 @@ from engine.outputs import (
 from engine.sample.structured_output import GrammarCompiler
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.spec_decode.ngram import SpecDecodeStats
+from engine.startup_log import quiet_tokenizer, ready_line
 
 logger = logging.getLogger(__name__)
 
-_MAX_MODEL_LEN_DEFAULT_CAP = 8192  # keeps the default KV cap sane for long-context configs
 _SPEC_LOG_INTERVAL = 10.0  # seconds between speculative decoding log lines
 
 
@@ -45,6 +45,7 @@ class LLMEngine:
         # the text model's config: the config itself, or a vision-language model's text_config
         self.text_config = self.hf_config.get_text_config()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        quiet_tokenizer(self.tokenizer)
         check_tokenizer(self.tokenizer, self.text_config, self.model_dir)
         self.config = resolve_config(config, self.text_config)
         self.model_name = config.served_model_name or _default_model_name(config.model)
@@ -84,20 +85,7 @@ class LLMEngine:
         self.kv_events = create_publisher(self.config.kv_events_config)
         if self.kv_events is not None:
             self.scheduler.kv_cache_manager.enable_kv_events()
-        logger.info(
-            "engine ready: model=%s dtype=%s device=%s backend=%s blocks=%d x %d tokens "
-            "max_model_len=%d executor=%s tensor_parallel_size=%d speculative=%s",
-            self.model_dir,
-            self.executor.dtype,
-            self.executor.device,
-            self.executor.backend_name,
-            self.executor.num_blocks,
-            self.config.block_size,
-            self.config.max_model_len,
-            self.config.distributed_executor_backend,
-            self.config.tensor_parallel_size,
-            self.config.speculative_config,
-        )
+        logger.info("%s", ready_line(self, config.max_model_len))
 
     @property
     def runner(self):
@@ -380,7 +368,7 @@ def resolve_config(config: EngineConfig, hf_config) -> EngineConfig:
     (a headless node builds its ranks from it too)."""
     model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
     if config.max_model_len is None:
-        return replace(config, max_model_len=min(model_max, _MAX_MODEL_LEN_DEFAULT_CAP))
+        return replace(config, max_model_len=model_max)
     if config.max_model_len > model_max:
         raise ValueError(
             f"max_model_len {config.max_model_len} exceeds the model's limit {model_max}"

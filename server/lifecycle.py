@@ -54,12 +54,16 @@ class SwitchApp:
 
     def __init__(self) -> None:
         self.app = None
+        self.stage = "starting"  # what the loader is doing, for the 503 body
+
+    def set_stage(self, stage: str) -> None:
+        self.stage = stage
 
     async def __call__(self, scope, receive, send) -> None:
         if self.app is not None:
             await self.app(scope, receive, send)
         elif scope["type"] == "http":
-            msg = "the model is still loading"
+            msg = f"the model is still loading: {self.stage}"
             await send_error(send, 503, msg, "ServiceUnavailableError")
 
 

@@ -125,8 +125,11 @@ class GuardMiddleware:
             return
         except BodyTooLarge:
             limit = self.settings.max_request_body_bytes
-            msg = f"request body exceeds the limit of {limit} bytes"
-            await send_error(send, 413, msg, "BadRequestError", [(b"connection", b"close")])
+            msg = (
+                f"request body exceeds the limit of {limit} bytes; the server's "
+                "--max-request-body-bytes raises it"
+            )
+            await send_error(send, 413, msg, "RequestTooLargeError", [(b"connection", b"close")])
             return
         if body is None:  # the client left while sending
             return

@@ -370,8 +370,13 @@ def _complete_in_thread(
     headers = {**AUTH, "X-Request-Id": request_id} if request_id else AUTH
 
     def complete() -> None:
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                "temperature": 0}
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
         try:
             r = httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=300)
             r.raise_for_status()
@@ -549,3 +554,129 @@ def test_disable_playground_turns_the_page_and_kv_endpoints_off(servers, path):
     assert httpx.get(off.url + path, headers=AUTH, timeout=10).status_code == 404
     assert httpx.get(off.url + "/v1/models", headers=AUTH, timeout=10).status_code == 200
     assert httpx.get(off.url + "/docs", headers=AUTH, timeout=10).status_code == 200
+
+
+# ---- the first-ten-minutes edges -----------------------------------------------------------------
+HUES = {"held": (22, 163, 74), "shared": (245, 158, 11)}
+
+
+def _selected_cell_colours(page) -> list[list[int]]:
+    """The centre pixel of every block the selected request holds, as drawn."""
+    return page.evaluate(
+        """() => {
+          const kv = window.pagedserveKV, canvas = document.getElementById('kv-canvas');
+          const g = kv.geometry, ctx = canvas.getContext('2d');
+          const r = kv.requests.find((x) => x.request_id === kv.selected);
+          return kv.heldIds(r).map((b) => {
+            const x = (b % g.cols) * g.cell + Math.floor(g.cell / 2);
+            const y = Math.floor(b / g.cols) * g.cell + Math.floor(g.cell / 2);
+            return Array.from(ctx.getImageData(x, y, 1, 1).data.slice(0, 3));
+          });
+        }"""
+    )
+
+
+def _state_hue(rgb: list[int]) -> str:
+    r, g, b = rgb
+    if g > r and g > b:
+        return "held"  # green, or its darker shade
+    if r > b and g > b:
+        return "shared"  # amber
+    return f"other {rgb}"
+
+
+@pytest.fixture(scope="module")
+def big_pool_server(tiny_model_dir):
+    """12,000 blocks: the map draws small cells (or one pixel a block) at ordinary widths."""
+    server = ServerProcess(
+        str(tiny_model_dir), "--dtype", "float32", "--api-key", API_KEY,
+        "--num-gpu-blocks-override", "12000", env={"PAGEDSERVE_FAULT_INJECT": "step_delay_ms:15"},
+    )  # fmt: skip
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("pool", "width"), [("small", 1400), ("big", 2400), ("big", 1400), ("big", 700)]
+)
+def test_the_selected_requests_cells_keep_their_state_colour(context, request, pool, width):
+    """The page selects its own request; its blocks stay green (held) or amber (shared) with
+    an outline, or a darker shade where cells are too small for one, never solid red: at
+    large cells (40 blocks), small cells and one pixel per block (12,000 blocks)."""
+    server = request.getfixturevalue("server" if pool == "small" else "big_pool_server")
+    wait_idle(server)
+    page, log = open_playground(context, server)
+    page.set_viewport_size({"width": width, "height": 950})
+    kv_eval(page, "(kv.zoom = false)")  # the whole pool: small cells for the big one
+    send_chat(page, "Say something long.", max_tokens=200)
+    wait_kv(page, "kv.selected !== null && kv.requests.some((r) => r.request_id === kv.selected)")
+    page.wait_for_timeout(300)  # a frame after the selection
+    cell = kv_eval(page, "kv.geometry.cell")
+    assert (cell < 10) == (pool == "big"), cell
+    colours = _selected_cell_colours(page)
+    assert colours, "the selected request holds no blocks"
+    assert {_state_hue(c) for c in colours} <= {"held", "shared"}, (cell, colours)
+    shot(page, f"10-selected-cells-{pool}-{width}px-cell{cell}")
+    page.click("#stop")
+    log.assert_clean(allow_failed=("/v1/chat/completions",))  # the stop aborts the stream
+
+
+def test_a_big_pool_is_drawn_up_to_its_highest_used_block(context, big_pool_server):
+    """12,000 blocks would draw as 4-pixel cells with a thin line in use: the map's scale
+    follows the highest block in use instead, and says so."""
+    wait_idle(big_pool_server)
+    page, log = open_playground(context, big_pool_server)
+    send_chat(page, "Say something long.", max_tokens=200)
+    wait_kv(page, "kv.selected !== null && kv.requests.some((r) => r.request_id === kv.selected)")
+    page.wait_for_timeout(300)
+    shown, cell = kv_eval(page, "[kv.geometry.shown, kv.geometry.cell]")
+    top = kv_eval(page, "kv.codes.findLastIndex((c) => c !== 0)")
+    assert top < shown < 12_000 and cell >= 8, (top, shown, cell)
+    assert "the rest are free" in page.inner_text("#map-scale")
+    assert {_state_hue(c) for c in _selected_cell_colours(page)} <= {"held", "shared"}
+    shot(page, "12-big-pool-zoomed")
+    page.click("#stop")
+    log.assert_clean(allow_failed=("/v1/chat/completions",))
+
+
+def test_the_window_legend_shows_only_for_windowed_models(context, server, gemma_server):
+    page, _ = open_playground(context, server)
+    page.wait_for_function("window.pagedserveKV.groups.length > 0", timeout=WAIT_MS)
+    assert page.is_hidden("#legend-window")
+    page, _ = open_playground(context, gemma_server)
+    page.wait_for_selector("#legend-window", state="visible", timeout=WAIT_MS)
+
+
+@pytest.fixture(scope="module")
+def templateless_server(tiny_model_dir, tmp_path_factory):
+    """The tiny model without a chat template (as Gemma 3 270M's GGUF has none)."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("tiny-no-template") / "model"
+    shutil.copytree(tiny_model_dir, path)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+    server = ServerProcess(str(path), "--dtype", "float32", "--api-key", API_KEY)
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+def test_a_model_without_a_chat_template_opens_in_raw_completion(context, templateless_server):
+    page, log = open_playground(context, templateless_server)
+    page.wait_for_function("document.querySelector('#mode').value === 'completion'")
+    assert "no chat template" in page.inner_text("#mode-note")
+    assert page.is_hidden("#system-label")
+    page.fill("#max-tokens", "8")
+    page.fill("#input", "Once upon a time")
+    page.click("#send")
+    page.wait_for_selector(".msg.completion[data-state=done]", timeout=WAIT_MS)
+    shot(page, "11-no-chat-template-raw-completion")
+    log.assert_clean()

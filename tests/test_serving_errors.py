@@ -74,8 +74,12 @@ def test_routes_503s_share_the_retry_after_policy(stack):
 
 
 def test_loading_switch_answers_503_with_the_same_body_and_header():
-    error = _error(TestClient(SwitchApp()).get("/v1/models"), 503)
-    assert error["message"] == "the model is still loading" and error["code"] is None
+    switch = SwitchApp()
+    error = _error(TestClient(switch).get("/v1/models"), 503)
+    assert error["message"] == "the model is still loading: starting" and error["code"] is None
+    switch.set_stage("compiling the CPU kernels")
+    error = _error(TestClient(switch).get("/health"), 503)
+    assert error["message"] == "the model is still loading: compiling the CPU kernels"
 
 
 def test_400s_carry_the_engines_param_and_code(stack):
@@ -86,3 +90,22 @@ def test_400s_carry_the_engines_param_and_code(stack):
     chat = {"model": "fake", "messages": [{"role": "user", "content": "x" * 60}]}
     error = _error(http.post("/v1/chat/completions", json=chat, headers=AUTH), 400)
     assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
+
+
+def test_errors_name_the_fix(stack):
+    """413 names the flag, a form body is told to send JSON, an unknown model's 404 lists the
+    served name (vLLM's wording first)."""
+    _, _, http = stack
+    big = {**BODY, "prompt": "x" * 300}
+    error = _error(http.post("/v1/completions", json=big, headers=AUTH), 413)
+    assert error["type"] == "RequestTooLargeError"
+    assert "--max-request-body-bytes" in error["message"]
+    form = http.post("/v1/completions", content=b"prompt=hi", headers={**AUTH,
+                     "Content-Type": "application/x-www-form-urlencoded"})  # fmt: skip
+    error = _error(form, 400)
+    assert error["message"].startswith("send JSON with Content-Type: application/json")
+    assert "application/x-www-form-urlencoded" in error["message"]
+    chat = {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}
+    error = _error(http.post("/v1/chat/completions", json=chat, headers=AUTH), 404)
+    assert error["message"] == "The model `nope` does not exist. Served models: `fake`."
+    assert (error["param"], error["code"]) == ("model", "model_not_found")

@@ -107,6 +107,7 @@ class UniProcExecutor(Executor):
 
         self.runner = ModelRunner(config, model_dir, hf_config)
         self.num_blocks = self.runner.num_blocks
+        self.kv_cache_bytes = self.runner.kv_cache_bytes
         self.kv_windows = self.runner.kv_cache_spec.windows
         self.dtype, self.device = self.runner.dtype, self.runner.device
         self.backend_name = self.runner.backend.name
@@ -309,6 +310,7 @@ class MultiprocExecutor(Executor):
         self.workers = WorkerGroup(config, model_dir, port)
         info = self.workers.infos[0]
         self.num_blocks = info["num_blocks"]
+        self.kv_cache_bytes = info.get("kv_cache_bytes")  # rank 0's share
         self.kv_windows = tuple(info["kv_windows"])
         self.dtype, self.device = info["dtype"], info["device"]
         self.backend_name = info["backend"]

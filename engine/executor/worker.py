@@ -120,7 +120,7 @@ class Worker:
         r = self.runner
         return dict(
             num_blocks=r.num_blocks, kv_windows=r.kv_cache_spec.windows, dtype=r.dtype,
-            device=r.device, backend=r.backend.name,
+            device=r.device, backend=r.backend.name, kv_cache_bytes=r.kv_cache_bytes,
         )
 
     def loop(self, conn) -> None:

@@ -71,7 +71,6 @@ class ModelRunner:
         self.backend = get_attention_backend(
             config.attention_backend, self.device.type, config.block_size, self.dtype
         )
-        logger.info("attention backend: %s", self.backend.name)
         if self.device.type == "cpu":
             _set_cpu_threads()
         torch.manual_seed(config.seed)
@@ -92,6 +91,7 @@ class ModelRunner:
         # Every rank's cache holds its KV heads with the same block tables: one pool size.
         self.num_blocks = min_across_ranks(self._measure_num_blocks())
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.kv_cache_bytes = self.num_blocks * self._bytes_per_block()  # this rank's
         self.sampler = Sampler(self.device, load_cpu_ops() if self.device.type == "cpu" else None)
         self.rejection_sampler = RejectionSampler(self.sampler)  # drafts: verify
         self._allocate_input_buffers()

@@ -26,7 +26,7 @@ _TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     408: "TimeoutError",
-    413: "BadRequestError",
+    413: "RequestTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -110,11 +110,16 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(503, str(e), "ServiceUnavailableError")
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError):
+    async def validation_error(request: Request, e: RequestValidationError):
         # Name the field and the rule; never echo the (possibly huge) input or server paths.
         errors = e.errors()
         first = errors[0] if errors else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        content_type = request.headers.get("content-type", "")
+        if not loc and "json" not in content_type.lower():  # plain `curl -d` sends a form
+            msg = "send JSON with Content-Type: application/json"
+            got = f" (got Content-Type: {content_type[:100]})" if content_type else ""
+            return error_response(400, msg + got, "BadRequestError")
         if first.get("type") == "json_invalid":
             return error_response(400, "request body is not valid JSON", "BadRequestError")
         msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"

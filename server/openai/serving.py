@@ -56,7 +56,9 @@ class ServingContext:
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
             if self.lora_name_for(requested) is None:
-                msg = f"The model `{requested}` does not exist."
+                adapters = getattr(self.engine, "lora_adapters", ())
+                served = ", ".join(f"`{n}`" for n in [self.model_name, *(a.name for a in adapters)])
+                msg = f"The model `{requested}` does not exist. Served models: {served}."
                 raise APIError(404, msg, "NotFoundError", "model", "model_not_found")
 
     def response_model(self, choices: list[ChoiceRequest]) -> str:

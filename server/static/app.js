@@ -10,7 +10,7 @@
     cached: [147, 197, 253],
     held: [22, 163, 74],
     shared: [245, 158, 11],
-    selected: [220, 38, 38],
+    selected: [17, 24, 39], // an outline (or, in cells too small for one, a darker shade)
     hit: [124, 58, 237],
     evicted: [220, 38, 38],
     windowFreed: [13, 148, 136],
@@ -37,6 +37,8 @@
     events: [],
   };
   window.pagedserveKV = kv;
+  kv.zoom = true; // false: the whole pool at one scale, however small its cells
+  kv.heldIds = (r) => heldIds(r);
 
   const refOf = (code) => code & 127;
   const isHashed = (code) => (code & 128) !== 0;
@@ -149,7 +151,9 @@
   function renderGroups() {
     // one row per KV cache group; a model with one full-attention group shows none
     const box = $("groups");
-    box.hidden = kv.groups.length < 2 && !(kv.groups[0] && kv.groups[0].kind === "sliding");
+    const windowed = kv.groups.some((g) => g.kind === "sliding");
+    $("legend-window").hidden = !windowed; // only a windowed model frees blocks that way
+    box.hidden = kv.groups.length < 2 && !windowed;
     const rows = $("groups-rows");
     rows.replaceChildren();
     if (box.hidden) return;
@@ -271,8 +275,27 @@
     return { cell: 1, cols: width, perCell, height: Math.ceil(n / perCell / width) };
   }
 
+  // the selected request's blocks keep their state colour: darker where no outline fits
+  const shade = (c) => [c[0] * 0.55, c[1] * 0.55, c[2] * 0.55];
+
+  const MIN_SHOWN = 1024;
+  // A large pool drawn whole is a grey slab with a thin line of used blocks: the map's scale
+  // follows the highest block in use (with room to grow), at least MIN_SHOWN blocks.
+  function shownBlocks(width) {
+    const n = kv.numBlocks;
+    if (!kv.zoom || n <= MIN_SHOWN || layout(width, n).cell >= 8) return n;
+    let top = n - 1;
+    while (top >= 0 && kv.codes[top] === 0) top--;
+    const wanted = Math.ceil(((top + 1) * 1.25) / 256) * 256;
+    return Math.min(n, Math.max(MIN_SHOWN, wanted));
+  }
+
   function blockColor(code, selectedSet, b) {
-    if (selectedSet.has(b)) return RGB.selected;
+    const c = stateColor(code);
+    return selectedSet.has(b) ? shade(c) : c;
+  }
+
+  function stateColor(code) {
     const ref = refOf(code);
     if (ref > 1) return RGB.shared;
     if (ref === 1) return RGB.held;
@@ -292,10 +315,15 @@
   const EMPTY_SET = new Set();
 
   function draw() {
-    const n = kv.numBlocks;
     const width = Math.max(Math.floor(canvas.clientWidth), 50);
-    if (!n) return;
+    if (!kv.numBlocks) return;
+    const n = shownBlocks(width);
     geometry = layout(width, n);
+    geometry.shown = n;
+    $("map-scale").textContent = n < kv.numBlocks
+      ? `map: blocks 0–${(n - 1).toLocaleString()} (past the highest one in use; the rest are free)`
+      : "";
+    kv.geometry = geometry; // for tests: where block b is drawn
     const height = Math.max(geometry.height, 1);
     canvas.style.height = `${height}px`;
     if (canvas.width !== width || canvas.height !== height) {
@@ -324,7 +352,7 @@
   function drawPixels(width, height, cell, cols, perCell, selectedSet, now) {
     const img = ctx.createImageData(width, height);
     const px = img.data;
-    const numCells = Math.ceil(kv.numBlocks / perCell);
+    const numCells = Math.ceil(geometry.shown / perCell);
     for (let i = 0; i < numCells; i++) {
       const start = i * perCell;
       let c;
@@ -332,7 +360,7 @@
         const f = kv.flashes.get(start);
         c = f && f.until > now ? f.color : blockColor(kv.codes[start], selectedSet, start);
       } else {
-        c = groupColor(start, Math.min(start + perCell, kv.numBlocks));
+        c = groupColor(start, Math.min(start + perCell, geometry.shown));
       }
       const x0 = (i % cols) * cell, y0 = Math.floor(i / cols) * cell;
       for (let dy = 0; dy < cell; dy++) {
@@ -352,18 +380,22 @@
     ctx.font = `${Math.floor(cell * 0.55)}px system-ui, sans-serif`;
     ctx.textAlign = "center";
     ctx.textBaseline = "middle";
-    for (let b = 0; b < kv.numBlocks; b++) {
+    for (let b = 0; b < geometry.shown; b++) {
       const code = kv.codes[b];
       const x = (b % cols) * cell, y = Math.floor(b / cols) * cell;
-      const c = blockColor(code, EMPTY_SET, b);
+      const roomy = cell >= 10; // room for an outline around a visible fill
+      const selected = selectedSet.has(b);
+      const c = selected && !roomy ? shade(stateColor(code)) : stateColor(code);
       ctx.fillStyle = `rgb(${c[0]},${c[1]},${c[2]})`;
       ctx.fillRect(x, y, cell - gap, cell - gap);
       const f = kv.flashes.get(b);
-      const outline = selectedSet.has(b) ? RGB.selected : f && f.until > now ? f.color : null;
+      const flash = f && f.until > now ? f.color : null;
+      const outline = flash || (selected && roomy ? RGB.selected : null);
       if (outline) {
+        const w = cell >= 16 ? 2 : 1;
         ctx.strokeStyle = `rgb(${outline[0]},${outline[1]},${outline[2]})`;
-        ctx.lineWidth = 2;
-        ctx.strokeRect(x + 1, y + 1, cell - gap - 2, cell - gap - 2);
+        ctx.lineWidth = w;
+        ctx.strokeRect(x + w / 2, y + w / 2, cell - gap - w, cell - gap - w);
       }
       const ref = refOf(code);
       if (labels && ref > 1) {
@@ -379,7 +411,7 @@
     const x = Math.floor(event.clientX - rect.left), y = Math.floor(event.clientY - rect.top);
     const i = Math.floor(y / geometry.cell) * geometry.cols + Math.floor(x / geometry.cell);
     const b = i * geometry.perCell;
-    return b >= 0 && b < kv.numBlocks ? b : -1;
+    return b >= 0 && b < geometry.shown ? b : -1;
   }
 
   canvas.addEventListener("mousemove", (event) => {
@@ -422,6 +454,19 @@
     } catch (e) {
       $("model-name").textContent = `no model: ${e.message}`;
     }
+    try {
+      // a model without a chat template (Gemma 3 270M's GGUF) would answer chat with a 400
+      const info = await (await fetch("/tokenizer_info")).json();
+      if (!info.chat_template) setMode("completion", "this model has no chat template: raw completion");
+    } catch (e) {
+      // no tokenizer info: keep chat, the first reply says what is wrong
+    }
+  }
+
+  function setMode(mode, note) {
+    $("mode").value = mode;
+    $("system-label").hidden = mode !== "chat";
+    $("mode-note").textContent = note || "";
   }
 
   function addMessage(role, text) {
@@ -585,9 +630,7 @@
     conversation.length = 0;
     $("messages").replaceChildren();
   });
-  $("mode").addEventListener("change", () => {
-    $("system-label").hidden = $("mode").value !== "chat";
-  });
+  $("mode").addEventListener("change", () => setMode($("mode").value));
 
   loadModel();
   connectKV();

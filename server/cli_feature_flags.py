@@ -1,0 +1,150 @@
+"""The serve flags of the optional features, each in its --help group (server/cli.py's
+SERVE_GROUPS): GGUF weights, pooling, images and LoRA under model, KV-cache events under cache,
+tool calling and stored responses under frontend."""
+
+from __future__ import annotations
+
+import json
+
+from engine.config import GGUF_WEIGHTS
+from engine.runner.pooling_config import RUNNERS, TASKS
+from server.tools.registry import TOOL_PARSERS
+
+
+def add_gguf_args(p) -> None:
+    p.add_argument(
+        "--gguf-weights",
+        choices=list(GGUF_WEIGHTS),
+        default="auto",
+        help="a .gguf file's quantized linears on CPU: auto keeps the packed blocks for "
+        "decode-sized calls and a dense bf16 copy for prefill-sized ones (most tokens/s; "
+        "float32 and off-CPU: dense); packed: the blocks only (least memory, the same as "
+        "--quantization gguf); dense: dequantized to --dtype (with float32, the exact path "
+        "whose greedy tokens equal transformers') (default: auto)",
+    )
+
+
+def add_tool_args(p) -> None:
+    """Tool calling: on by default, its format read from the chat template."""
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='accepted for vLLM compatibility: tool_choice "auto" is on unless '
+        "--disable-auto-tool-choice (default: on)",
+    )
+    p.add_argument(
+        "--disable-auto-tool-choice",
+        action="store_true",
+        help='refuse tool_choice "auto" (tools still reach the template; "required" and a '
+        "named tool still work) (default: off)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        help="the tool-call format read from the output (default: read from the chat template)",
+    )
+    p.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1000,
+        help="stored /v1/responses kept in memory, least recently used dropped first; 0 stores "
+        "none (default: 1000)",
+    )
+
+
+def add_multimodal_args(p) -> None:
+    """Images in (vision-language models): where image URLs may come from, and limits."""
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        help="hosts http(s) image URLs may be fetched from (exact names); default: none",
+    )
+    p.add_argument(
+        "--allowed-local-media-path",
+        help="folder file:// image URLs may read from; default: none",
+    )
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        help='JSON, most images per prompt, e.g. \'{"image": 4}\'; default: {"image": 8}',
+    )
+    p.add_argument(
+        "--max-media-bytes",
+        type=int,
+        default=20 * 1024**2,
+        help="largest encoded image accepted, in bytes; default: 20 MiB",
+    )
+    p.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        default=5.0,
+        help="seconds to fetch one image URL; default: 5",
+    )
+    p.add_argument(
+        "--mm-encoder-cache-bytes",
+        type=int,
+        default=256 * 1024**2,
+        help="image embeddings kept by content hash (LRU), in bytes; default: 256 MiB",
+    )
+
+
+def add_pooling_args(p) -> None:
+    """Pooling models (embeddings): engine/pooling_engine.py; names as vLLM's."""
+    p.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="auto",
+        help="generate: text generation; pooling: embeddings (/v1/embeddings); auto: pooling "
+        "for a sentence-transformers folder or an encoder, else generate; default auto",
+    )
+    p.add_argument(
+        "--task",
+        choices=TASKS,
+        default="auto",
+        help="vLLM's older spelling of --runner (embed: pooling); default auto",
+    )
+    p.add_argument(
+        "--hf-overrides",
+        type=json.loads,
+        help="JSON set on the model's config before loading (pooling runner), e.g. Qwen3-"
+        'Reranker\'s \'{"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"]}\'; default none',
+    )
+
+
+def add_lora_args(p) -> None:
+    """Multi-LoRA serving, vLLM's flags (engine/lora/)."""
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters; a request picks one by its `model` field (default: off)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        metavar="NAME=PATH",
+        help="PEFT adapter folders as name=path or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (default: none)',
+    )
+    p.add_argument(
+        "--max-loras", type=int, default=1, help="adapter slots in one step (default: 1)"
+    )
+    p.add_argument(
+        "--max-lora-rank", type=int, default=16, help="largest adapter rank (default: 16)"
+    )
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        help="adapters kept loaded, least recently used evicted (default: --max-loras)",
+    )
+
+
+def add_kv_events_args(p) -> None:
+    """What routers read beside /metrics (engine/kv_events.py), named as vLLM's."""
+    p.add_argument(
+        "--kv-events-config",
+        help="KV-cache events for prefix-aware routers, vLLM's JSON keys, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; the events carry prompt '
+        "token ids; default off",
+    )
