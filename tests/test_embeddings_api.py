@@ -183,12 +183,11 @@ def test_minilm_server_matches_sentence_transformers():
 
 
 def test_metrics_count_embedding_requests(embed_server):
-    from server.metrics import P
     from tests.conftest import metric_value
 
     def read(name, **labels):
         text = httpx.get(embed_server.url + "/metrics").text
-        return metric_value(text, name.replace("vllm:", P), {"model_name": "emb", **labels})
+        return metric_value(text, name, {"model_name": "emb", **labels})
 
     before = read("vllm:request_success_total", finished_reason="stop")
     tokens = read("vllm:prompt_tokens_total")

@@ -39,7 +39,7 @@ def runtime_updates_allowed() -> bool:
 
 def install_lora_routes(app: FastAPI, engine: AsyncEngine) -> bool:
     """Adds the two routes where allowed; whether it did."""
-    if not (engine.lora_enabled and runtime_updates_allowed()):
+    if not (getattr(engine, "lora_enabled", False) and runtime_updates_allowed()):
         return False
 
     @app.post("/v1/load_lora_adapter")

@@ -71,7 +71,7 @@ class ServingContext:
         """The LoRA adapter a request's `model` names, None for the base model."""
         if requested is None or requested == self.model_name:
             return None
-        names = {lora.name for lora in self.engine.lora_adapters}
+        names = {lora.name for lora in getattr(self.engine, "lora_adapters", ())}
         return requested if requested in names else None
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
