@@ -100,7 +100,12 @@ V = "vllm:"  # vLLM's names and meanings
 P = "pagedserve:"  # ours, where vLLM has no name
 OWN_NAMES = frozenset(
     f"kv_cache_{kind}_blocks" for kind in ("free", "cached", "used", "total")
-) | {"http_connections_open", "http_slow_clients_closed", "http_connections_rejected"}
+) | {
+    "http_connections_open",
+    "http_slow_clients_closed",
+    "http_connections_rejected",
+    "mm_encoder_images",  # vLLM counts encoder-cache queries and hits, not images encoded
+}
 
 
 def metric_name(name: str) -> str:

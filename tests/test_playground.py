@@ -565,6 +565,7 @@ def _selected_cell_colours(page) -> list[list[int]]:
     return page.evaluate(
         """() => {
           const kv = window.pagedserveKV, canvas = document.getElementById('kv-canvas');
+          kv.drawNow();  // the pixels and the block tables from one state (no frame between)
           const g = kv.geometry, ctx = canvas.getContext('2d');
           const r = kv.requests.find((x) => x.request_id === kv.selected);
           return kv.heldIds(r).map((b) => {

@@ -39,6 +39,7 @@
   window.pagedserveKV = kv;
   kv.zoom = true; // false: the whole pool at one scale, however small its cells
   kv.heldIds = (r) => heldIds(r);
+  kv.drawNow = () => draw(); // for tests: the map as of this moment's state, not the last frame's
 
   const refOf = (code) => code & 127;
   const isHashed = (code) => (code & 128) !== 0;
