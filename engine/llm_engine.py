@@ -339,6 +339,7 @@ class LLMEngine:
         """The encoder's work this step (images run only in the uni executor's runner)."""
         mm = getattr(getattr(self.executor, "runner", None), "mm", None)
         return mm.take_stats() if mm is not None else {}
+
     def _lora_info(self) -> tuple[int, str, str] | None:
         if self.lora_registry is None:
             return None

@@ -17,6 +17,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from tests.conftest import serve_float32, wait_idle
+from tests.test_tool_calling import WEATHER
 
 # EOS (<|im_end|>, id 2) wherever a grammar allows it, so random weights end their answers.
 EOS_BIAS = {"2": 50.0}
@@ -39,18 +40,6 @@ def pclient(plain_server):
     return openai.OpenAI(base_url=plain_server.url + "/v1", api_key="x", max_retries=0)
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 8}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
 CITY_FORMAT = {
     "type": "json_schema",
     "json_schema": {"name": "City", "strict": True, "schema": {

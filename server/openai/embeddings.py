@@ -60,9 +60,14 @@ async def create_embedding(ctx: ServingContext, body: EmbeddingRequest) -> JSONR
         {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
         for i, v in enumerate(vecs)
     ]
+    return list_response(ctx, "embd", data, num_tokens)
+
+
+def list_response(ctx: ServingContext, id_prefix: str, data: list, num_tokens: int):
+    """OpenAI's list envelope (embeddings; vLLM's score answers in the same shape)."""
     return JSONResponse(
         {
-            "id": f"embd-{uuid.uuid4().hex}",
+            "id": f"{id_prefix}-{uuid.uuid4().hex}",
             "object": "list",
             "created": int(time.time()),
             "model": ctx.model_name,

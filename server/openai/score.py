@@ -9,14 +9,13 @@ style `data` ({index, object: "score", score}); /v1/rerank answers Cohere/Jina's
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import torch
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, StrictStr
 
-from server.openai.embeddings import check_pooling
+from server.openai.embeddings import check_pooling, list_response
 from server.openai.errors import APIError
 from server.openai.serving import ServingContext
 
@@ -55,16 +54,7 @@ async def create_score(ctx: ServingContext, body: ScoreRequest) -> JSONResponse:
         raise APIError(400, msg, param="text_1")
     scores, num_tokens = await score_pairs(ctx, left, right, body.truncate_prompt_tokens)
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
-    return JSONResponse(
-        {
-            "id": f"score-{uuid.uuid4().hex}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": ctx.model_name,
-            "data": data,
-            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
-        }
-    )
+    return list_response(ctx, "score", data, num_tokens)
 
 
 async def create_rerank(ctx: ServingContext, body: RerankRequest) -> JSONResponse:
