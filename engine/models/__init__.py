@@ -20,6 +20,7 @@ from engine.models.llava import llava_class
 from engine.models.mistral import MistralForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
+from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -32,6 +33,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    # vision-language with its own image side (LLaVA-style ones: MULTIMODAL_REGISTRY)
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 # vision-language architectures: a factory of the class from the text family's
 MULTIMODAL_REGISTRY = {"LlavaForConditionalGeneration": llava_class}

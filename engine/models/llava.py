@@ -90,7 +90,7 @@ class LlavaMixin:
         activation(cfg.vision_config.hidden_act)
 
     @classmethod
-    def num_image_tokens(cls, cfg, pixel_shape: tuple[int, ...]) -> int:
+    def num_image_tokens(cls, cfg, pixel_shape: tuple[int, ...], grid_thw=None) -> int:
         """Placeholder tokens of one image (its preprocessed [3, H, W] shape)."""
         drop_first = cfg.vision_feature_select_strategy == "default"
         return num_patch_tokens(cfg.vision_config) - int(drop_first)

@@ -66,15 +66,24 @@ class MultiModalEmbedder:
                 missing[key] = image
             else:
                 found[key] = cached
+        encode = getattr(self.model, "encode_images", None)  # dynamic resolution: all at once
+        if encode is not None and missing:
+            group = list(missing.values())
+            pixels = [image.pixel_values.to(self.device) for image in group]
+            self._keep(group, encode(pixels, [image.grid_thw for image in group]), found)
+            missing = {}
         by_shape: dict[tuple, list[ImageInput]] = {}
         for image in missing.values():
             by_shape.setdefault(tuple(image.pixel_values.shape), []).append(image)
         for group in by_shape.values():
             pixels = torch.stack([image.pixel_values for image in group]).to(self.device)
-            for image, emb in zip(group, self.model.embed_images(pixels)):
-                if emb.shape[0] != image.length:
-                    raise ValueError(f"image encoded to {emb.shape[0]} rows for {image.length}")
-                found[image.content_hash] = emb
-                self.cache.put(image.content_hash, emb)
-        self.num_images_encoded += len(missing)
+            self._keep(group, self.model.embed_images(pixels), found)
         return found
+
+    def _keep(self, group: list[ImageInput], embeddings, found: dict) -> None:
+        for image, emb in zip(group, embeddings):
+            if emb.shape[0] != image.length:
+                raise ValueError(f"image encoded to {emb.shape[0]} rows for {image.length}")
+            found[image.content_hash] = emb
+            self.cache.put(image.content_hash, emb)
+        self.num_images_encoded += len(group)

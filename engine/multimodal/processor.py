@@ -45,7 +45,14 @@ class ImageInputProcessor:
         self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
         self.hf_config, self.model_cls = hf_config, model_cls
         self.image_token_id = model_cls.image_token_id_of(hf_config)
-        self.image_token = tokenizer.convert_ids_to_tokens(self.image_token_id)
+        # what the chat template sees per image part: the token itself, or a model's wrapping
+        # (Qwen2.5-VL: <|vision_start|><|image_pad|><|vision_end|>)
+        placeholder = getattr(model_cls, "image_placeholder_text", None)
+        self.image_token = (
+            placeholder(hf_config, tokenizer)
+            if placeholder is not None
+            else tokenizer.convert_ids_to_tokens(self.image_token_id)
+        )
         self.max_images = max_images
 
     @classmethod
@@ -59,12 +66,14 @@ class ImageInputProcessor:
         return cls(Path(model_dir), hf_config, tokenizer, model_cls, max_images)
 
     def pixels(self, image, param: str):
-        """[3, H, W] float pixels of one Pillow image, as the model's processor makes them."""
+        """[3, H, W] float pixels of one Pillow image, as the model's processor makes them (or
+        the model's own form of that output: Qwen2.5-VL's (patches, grid))."""
         try:
             out = self.image_processor(images=[image], return_tensors="pt")
         except Exception as e:  # noqa: BLE001 - the processor rejects odd images its own way
             raise ImageError(f"{param}: the image processor refused it ({e})", param) from None
-        return out["pixel_values"][0]
+        pixels_of = getattr(self.model_cls, "pixels_of", None)
+        return out["pixel_values"][0] if pixels_of is None else pixels_of(out)
 
     def expand(self, prompt_ids: list[int], pixels: list, param: str = "messages"):
         """(prompt ids with each placeholder repeated, one ImageInput per image)."""
@@ -84,15 +93,17 @@ class ImageInputProcessor:
         prev = 0
         for pos, pv in zip(where, pixels):
             ids += prompt_ids[prev:pos]
-            n = self.model_cls.num_image_tokens(self.hf_config, tuple(pv.shape))
-            inputs.append(ImageInput(len(ids), n, content_hash(pv), pv))
+            pv, grid = pv if isinstance(pv, tuple) else (pv, None)
+            n = self.model_cls.num_image_tokens(self.hf_config, tuple(pv.shape), grid)
+            inputs.append(ImageInput(len(ids), n, content_hash(pv, grid), pv, grid))
             ids += [token] * n
             prev = pos + 1
         return ids + prompt_ids[prev:], inputs
 
 
-def content_hash(pixel_values) -> bytes:
-    """sha256 of the preprocessed pixels and their shape: what the embedding depends on."""
-    h = hashlib.sha256(repr((tuple(pixel_values.shape), str(pixel_values.dtype))).encode())
+def content_hash(pixel_values, grid_thw=None) -> bytes:
+    """sha256 of the preprocessed pixels, their shape and grid: what the embedding depends on."""
+    meta = (tuple(pixel_values.shape), str(pixel_values.dtype), grid_thw)
+    h = hashlib.sha256(repr(meta).encode())
     h.update(pixel_values.contiguous().numpy().tobytes())
     return h.digest()

@@ -23,6 +23,7 @@ from engine.lora.manager import LoRAManager
 from engine.model_loader.weight_loader import load_checked
 from engine.models import check_model_config, get_model_class
 from engine.multimodal.embedder import MultiModalEmbedder
+from engine.multimodal.mrope import MRopePositions
 from engine.outputs import ModelRunnerOutput
 from engine.runner.block_copy import copy_blocks
 from engine.runner.cuda_graphs import DecodeCudaGraphs
@@ -97,6 +98,7 @@ class ModelRunner:
         self._allocate_input_buffers()
         # images merged into the input embeddings (None: a text-only model)
         self.mm = MultiModalEmbedder.build(self.model, config.mm_encoder_cache_bytes, self.device)
+        self.mrope = MRopePositions.build(self.model)  # (t, h, w) positions: Qwen2.5-VL
         self.decode_graphs = self.fused_decode = None
         # Neither the graphs nor the fused decode step know the row-parallel all-reduces,
         # windows or logit caps.
@@ -204,7 +206,8 @@ class ModelRunner:
             meta = self._grouped_metadata(out, meta, positions, max_blocks)
         dev = self.device
         ids_t = torch.from_numpy(input_ids).to(dev)
-        pos_t = torch.from_numpy(positions).to(dev)
+        rope_pos = positions if self.mrope is None else self.mrope.positions(out, positions)
+        pos_t = torch.from_numpy(rope_pos).to(dev)
         return ids_t, pos_t, meta, logits_rows, sample_idx
 
     def _token_inputs(self, out: SchedulerOutput, rows, query_lens, starts, cu_q):

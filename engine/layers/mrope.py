@@ -1,0 +1,52 @@
+"""Multimodal rotary embedding (M-RoPE, Qwen2-VL / Qwen2.5-VL): three position components per
+token (temporal, height, width); `mrope_section` splits the half-dim frequencies into three
+runs, run i rotated by component i.
+
+A token whose three components are equal (every text token) rotates exactly as plain RoPE at
+that position, so the model takes either positions [T] (text-only steps, decode: the fused and
+CPU-kernel paths of RotaryEmbedding run unchanged) or positions [3, T] (a step that holds image
+tokens: cos/sin computed here per token, in float32 as transformers does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers.rotary import NativeRope, RotaryEmbedding
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    def __init__(self, head_dim: int, base: float, mrope_section: list[int]) -> None:
+        super().__init__(head_dim, base)
+        if sum(mrope_section) != head_dim // 2 or len(mrope_section) != 3:
+            raise ValueError(
+                f"mrope_section {list(mrope_section)} must be 3 runs summing to head_dim/2 "
+                f"({head_dim // 2})"
+            )
+        # the position component (0: t, 1: h, 2: w) of each half-dim frequency
+        comp = torch.cat([torch.full((n,), i) for i, n in enumerate(mrope_section)])
+        self.register_buffer("component", comp, persistent=False)  # int64: never cast
+        self.mrope_section = list(mrope_section)
+
+    def bind(self, impl: str) -> None:
+        super().bind(impl)
+        self._plain_prepare = self.prepare  # RotaryEmbedding's choice for 1-D positions
+        self.prepare = self.prepare_mrope
+
+    def prepare(self, positions: torch.Tensor, max_seq_len: int, dtype: torch.dtype):
+        return self.prepare_mrope(positions, max_seq_len, dtype)
+
+    def prepare_mrope(self, positions: torch.Tensor, max_seq_len: int, dtype: torch.dtype):
+        """positions [T]: plain RoPE (any bound implementation); [3, T]: M-RoPE."""
+        if positions.dim() == 1:
+            plain = getattr(self, "_plain_prepare", None) or self.prepare_native
+            return plain(positions, max_seq_len, dtype)
+        return NativeRope(*self.forward_mrope(positions, dtype))
+
+    def forward_mrope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """(cos, sin), each [T, 1, D], from positions [3, T]."""
+        freqs = positions.float()[..., None] * self.inv_freq  # [3, T, D/2]
+        index = self.component.view(1, 1, -1).expand(1, freqs.shape[1], -1)
+        freqs = freqs.gather(0, index)[0]  # [T, D/2]: frequency j takes component[j]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
