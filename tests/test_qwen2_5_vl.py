@@ -143,3 +143,112 @@ def test_one_image_two_sizes_and_text_match_transformers(qwen_dir):
     for rid, (ids, inputs) in {"one": one, "two": two, "text": text}.items():
         assert got[rid] == hf_greedy(qwen_dir, ids, inputs), rid
     assert engine.runner.mm.num_images_encoded == 3
+
+
+def test_positions_equal_transformers_rope_index(qwen_dir):
+    """engine/multimodal/mrope.py against transformers' get_rope_index for a prompt with two
+    images of different grids, scheduled in chunks of 7 (chunks start inside images), then the
+    decode position (index + rope delta)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from engine.multimodal.mrope import MRopePositions
+
+    engine = make_engine(qwen_dir)
+    ids, inputs = image_prompt(engine, "?", [random_image(2, (48, 32)), random_image(3)], " x ")
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_dir, dtype=torch.float32)
+    input_ids = torch.tensor([ids])
+    want, delta = hf.model.get_rope_index(
+        input_ids,
+        mm_token_type_ids=(input_ids == hf.config.image_token_id).int(),
+        image_grid_thw=torch.tensor([i.grid_thw for i in inputs]),
+    )
+    want = want[:, 0].numpy()
+    mrope = MRopePositions(spatial_merge=2)
+    req = SimpleNamespace(mm_inputs=inputs)
+    for start in range(0, len(ids), 7):
+        n = min(7, len(ids) - start)
+        step = SimpleNamespace(requests=[req], num_scheduled_tokens=[n])
+        got = mrope.positions(step, np.arange(start, start + n))
+        got = got if got.ndim == 2 else np.tile(got, (3, 1))
+        assert (got == want[:, start : start + n]).all(), start
+    decode = mrope.positions(SimpleNamespace(requests=[req], num_scheduled_tokens=[1]),
+                             np.array([len(ids) + 4]))  # fmt: skip
+    assert decode.shape == (1,) and decode[0] == len(ids) + 4 + int(delta)
+
+
+def test_chunked_prefill_splits_an_image(qwen_dir):
+    engine = make_engine(qwen_dir, max_num_batched_tokens=8, block_size=4)
+    prompt = image_prompt(engine, "chunks", [random_image(9)])
+    got = generate(engine, {"c": prompt})
+    assert got["c"] == hf_greedy(qwen_dir, *prompt)
+    assert engine.runner.mm.num_images_encoded == 1  # encoded once, sliced per chunk
+
+
+def test_prefix_hit_and_different_images(qwen_dir):
+    """The same image again: a prefix-cache hit past the image (the next chunk starts after it,
+    its positions shifted) and no second encoder run; another image behind the same tokens:
+    no hit, another answer."""
+    engine = make_engine(qwen_dir, block_size=4)
+    first = image_prompt(engine, "describe it", [random_image(5)])
+    again = image_prompt(engine, "describe that", [random_image(5)])
+    other = image_prompt(engine, "describe it", [random_image(6)])
+    assert other[0] == first[0]
+    got = generate(engine, {"a": first})
+    got |= generate(engine, {"b": again})
+    assert engine.last_cached["b"] >= 36  # vision_start and the 35 image tokens at least
+    assert engine.runner.mm.num_images_encoded == 1
+    got |= generate(engine, {"c": other})
+    assert engine.last_cached["c"] == 0
+    for rid, prompt in {"a": first, "b": again, "c": other}.items():
+        assert got[rid] == hf_greedy(qwen_dir, *prompt), rid
+    assert got["a"] != got["c"]
+
+
+def test_preemption_recompute(qwen_dir):
+    engine = make_engine(qwen_dir, block_size=4, num_gpu_blocks_override=20)
+    prompts = {
+        "p": image_prompt(engine, "first", [random_image(21)]),
+        "q": image_prompt(engine, "second", [random_image(22, (32, 48))]),
+    }
+    got = generate(engine, prompts)
+    assert engine.preemptions >= 1
+    for rid, prompt in prompts.items():
+        assert got[rid] == hf_greedy(qwen_dir, *prompt), rid
+
+
+@pytest.fixture(scope="module")
+def qwen_server(qwen_dir):
+    from conftest import serve_float32
+
+    yield from serve_float32(qwen_dir, "tiny-qwen-vl")
+
+
+def test_openai_client_data_url(qwen_server, qwen_dir):
+    import base64
+    import io
+
+    from openai import OpenAI
+
+    image = random_image(11)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    client = OpenAI(base_url=qwen_server.url + "/v1", api_key="x")
+    resp = client.chat.completions.create(
+        model="tiny-qwen-vl",
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "what is this?"},
+        ]}],
+        max_tokens=MAX_NEW, temperature=0.0, logprobs=True,
+    )  # fmt: skip
+    engine = make_engine(qwen_dir)
+    text = f"<|im_start|>user\n{PLACEHOLDER}\nwhat is this?<|im_end|>\n<|im_start|>assistant\n"
+    mm = engine.mm_processor
+    ids, inputs = mm.expand(engine.tokenizer.encode(text), [mm.pixels(image, "image")])
+    assert resp.usage.prompt_tokens == len(ids) == len(engine.tokenizer.encode(text)) + 34
+    want = hf_greedy(qwen_dir, ids, inputs)
+    got = [t.token for t in resp.choices[0].logprobs.content]
+    assert got == [engine.tokenizer.decode([t]) for t in want]
