@@ -33,7 +33,9 @@ class MRopePositions:
         offset = 0
         for req, n in zip(out.requests, out.num_scheduled_tokens):
             if req.mm_inputs:
-                self._request(req.mm_inputs, positions[offset : offset + n], offset, shifted, inside)
+                self._request(
+                    req.mm_inputs, positions[offset : offset + n], offset, shifted, inside
+                )
             offset += n
         if not inside:
             return shifted
