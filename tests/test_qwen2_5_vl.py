@@ -252,3 +252,28 @@ def test_openai_client_data_url(qwen_server, qwen_dir):
     want = hf_greedy(qwen_dir, ids, inputs)
     got = [t.token for t in resp.choices[0].logprobs.content]
     assert got == [engine.tokenizer.decode([t]) for t in want]
+
+
+def test_bfloat16_packed_linears_run_the_tower(qwen_dir):
+    """bf16 on CPU packs every Linear (the tower's, the merger's, the patch embedding's): the
+    image embedding stays within bf16 rounding of transformers' in bf16 (this tiny model's
+    bf16 tokens drift from float32's at once, transformers' own included), and the first
+    tokens equal transformers' bf16 generate."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    engine = make_engine(qwen_dir, dtype="bfloat16")
+    ids, inputs = image_prompt(engine, "what is this?", [random_image(1)])
+    image, grid = inputs[0].pixel_values.bfloat16(), torch.tensor([inputs[0].grid_thw])
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_dir, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = hf.model.get_image_features(image, grid).pooler_output[0].float()
+        ours = engine.runner.model.encode_images([image], [inputs[0].grid_thw])[0].float()
+        assert (ours - want).abs().max() <= 0.02 * want.abs().max()
+        ref = hf.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            pixel_values=image, image_grid_thw=grid, max_new_tokens=4, do_sample=False,
+            mm_token_type_ids=(torch.tensor([ids]) == hf.config.image_token_id).int(),
+            eos_token_id=None,
+        )  # fmt: skip
+    got = generate(engine, {"b": (ids, inputs)})["b"]
+    assert got[:4] == ref[0, len(ids) :].tolist()
