@@ -63,6 +63,9 @@ class EngineConfig:
     media_fetch_timeout: float = 5.0
     limit_mm_per_prompt: dict | None = None
     mm_encoder_cache_bytes: int = 256 * 1024**2
+    # image placeholder tokens whose encoding may start in one step (engine/core/encoder_budget.py;
+    # vLLM's max_num_encoder_input_tokens); None: max_num_batched_tokens
+    max_num_encoder_input_tokens: int | None = None
     # n > 1: the samples of a prompt are forks of one sequence sharing its KV blocks
     # (copy-on-write, engine/core/forks.py); False: n independent requests (prefix cache only).
     fork_parallel_samples: bool = True
@@ -182,6 +185,10 @@ class EngineConfig:
             isinstance(limit.get("image", 0), int) and limit.get("image", 0) >= 0
         ):
             raise ValueError('limit_mm_per_prompt must be like {"image": 4}')
+
+    @property
+    def encoder_budget_tokens(self) -> int:
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
 
     @property
     def max_images_per_prompt(self) -> int:

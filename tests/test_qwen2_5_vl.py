@@ -277,3 +277,27 @@ def test_bfloat16_packed_linears_run_the_tower(qwen_dir):
         )  # fmt: skip
     got = generate(engine, {"b": (ids, inputs)})["b"]
     assert got[:4] == ref[0, len(ids) :].tolist()
+
+
+def test_encoder_budget_spreads_images_over_steps(qwen_dir):
+    """max_num_encoder_input_tokens=30: the 24-token image is encoded in the first step, the
+    chunk stops before the 35-token one (over what is left), which runs alone next step (larger
+    than the whole budget: never starved); a second request's image waits a step too. Tokens
+    still equal transformers'."""
+    engine = make_engine(qwen_dir, max_num_encoder_input_tokens=30)
+    two = image_prompt(engine, "compare", [random_image(2, (48, 32)), random_image(3)], " and ")
+    one = image_prompt(engine, "look", [random_image(4, (32, 32))])  # 16 tokens
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for rid, (ids, inputs) in {"two": two, "one": one}.items():
+        engine.add(engine.make_request(rid, ids, params, inputs))
+    tokens: dict[str, list] = {"two": [], "one": []}
+    encoded, computed = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step()[0]:
+            tokens[out.request_id] += out.outputs[0].token_ids
+        encoded.append(engine.runner.mm.num_images_encoded)
+        req = engine.scheduler.requests.get("two")
+        computed.append(req.num_computed_tokens if req else None)
+    assert encoded[:3] == [1, 2, 3]  # one image per step
+    assert computed[0] == two[1][1].start  # the first chunk stopped before the second image
+    assert tokens == {"two": hf_greedy(qwen_dir, *two), "one": hf_greedy(qwen_dir, *one)}

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from engine.config import EngineConfig
 from engine.core.block_pool import KVCacheBlock
+from engine.core.encoder_budget import EncoderBudget
 from engine.core.forks import drop_fork_waiting, fork_ready, hold_for_fork
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestRejectedError, RequestStatus
@@ -67,6 +68,7 @@ class Scheduler:
         # to be forked from it once its prompt is computed (engine/core/forks.py).
         self.fork_waiting: dict[str, list[Request]] = {}
         self.num_forks_total = 0
+        self.encoder_budget = EncoderBudget(config.encoder_budget_tokens)  # images per step
 
     # ---- queue -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -126,6 +128,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = []
+        self.encoder_budget.new_step()
         if self.fork_waiting:
             fork_ready(self)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
@@ -158,7 +161,9 @@ class Scheduler:
             i += 1
             computed = req.num_computed_tokens
             num_new = min(len(req.all_token_ids) - computed, budget, max_model_len - computed)
-            if num_new <= 0:
+            if num_new <= 0 or (  # images: this step's encoder budget may stop the chunk short
+                req.mm_inputs and (num_new := self.encoder_budget.clip(req, computed, num_new)) <= 0
+            ):
                 continue
             drafts = self._propose(req, budget) if self.proposer is not None else None
             if drafts:
@@ -290,8 +295,10 @@ class Scheduler:
                 break  # --max-loras adapters run already: the head waits its turn (FCFS)
             hits, num_hit_tokens = kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_hit_tokens, budget)
-            if kv.allocate_slots(req, num_new, hits, num_hit_tokens) is None:
+            num_new = self.encoder_budget.clip(req, num_hit_tokens, num_new, commit=False)
+            if num_new <= 0 or kv.allocate_slots(req, num_new, hits, num_hit_tokens) is None:
                 break
+            self.encoder_budget.clip(req, num_hit_tokens, num_new)  # admitted: charge it
             self.waiting.popleft()
             self.running.append(req)
             req.status = _RUNNING
