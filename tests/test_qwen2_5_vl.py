@@ -20,7 +20,7 @@ PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 MAX_NEW = 8
 
 
-def build_tiny_qwen2_5_vl_dir(path, seed: int = 0):
+def build_tiny_qwen2_5_vl_dir(path, seed: int = 0, **top):
     """A random-weight Qwen2_5_VLForConditionalGeneration (float32): 3 vision blocks of 32 (the
     middle one full attention, the others in windows of 2x2 merged tokens), patches of 4 pixels,
     2x2 merging, a 2-layer Qwen2 text side of 64 with mrope_section [2, 3, 3]; the byte tokenizer
@@ -46,6 +46,7 @@ def build_tiny_qwen2_5_vl_dir(path, seed: int = 0):
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
+        **top,
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(cfg).float().eval()
@@ -143,6 +144,16 @@ def test_one_image_two_sizes_and_text_match_transformers(qwen_dir):
     for rid, (ids, inputs) in {"one": one, "two": two, "text": text}.items():
         assert got[rid] == hf_greedy(qwen_dir, ids, inputs), rid
     assert engine.runner.mm.num_images_encoded == 3
+
+
+def test_tied_embeddings_as_the_3b_checkpoint(tmp_path):
+    """Qwen2.5-VL-3B ties lm_head to the embeddings at the top level of its config only."""
+    model_dir = build_tiny_qwen2_5_vl_dir(tmp_path / "tied", seed=1, tie_word_embeddings=True)
+    engine = make_engine(model_dir)
+    model = engine.runner.model
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    prompt = image_prompt(engine, "tied", [random_image(7)])
+    assert generate(engine, {"t": prompt})["t"] == hf_greedy(model_dir, *prompt)
 
 
 def test_positions_equal_transformers_rope_index(qwen_dir):
