@@ -240,6 +240,7 @@ def test_openai_client_data_url(qwen_server, qwen_dir):
     import base64
     import io
 
+    import httpx
     from openai import OpenAI
 
     image = random_image(11)
@@ -263,6 +264,8 @@ def test_openai_client_data_url(qwen_server, qwen_dir):
     want = hf_greedy(qwen_dir, ids, inputs)
     got = [t.token for t in resp.choices[0].logprobs.content]
     assert got == [engine.tokenizer.decode([t]) for t in want]
+    card = httpx.get(qwen_server.url + "/v1/models").json()["data"][0]
+    assert card["input_modalities"] == ["text", "image"]
 
 
 def test_bfloat16_packed_linears_run_the_tower(qwen_dir):
