@@ -85,6 +85,13 @@ def add_multimodal_args(p) -> None:
         default=256 * 1024**2,
         help="image embeddings kept by content hash (LRU), in bytes; default: 256 MiB",
     )
+    p.add_argument(
+        "--max-num-encoder-input-tokens",
+        type=int,
+        help="image placeholder tokens whose encoding may start in one step (a chunk stops "
+        "before an image over it; one larger image runs alone); default: "
+        "--max-num-batched-tokens",
+    )
 
 
 def add_pooling_args(p) -> None:

@@ -315,3 +315,5 @@ def test_encoder_budget_spreads_images_over_steps(qwen_dir):
     assert encoded[:3] == [1, 2, 3]  # one image per step
     assert computed[0] == two[1][1].start  # the first chunk stopped before the second image
     assert tokens == {"two": hf_greedy(qwen_dir, *two), "one": hf_greedy(qwen_dir, *one)}
+    with pytest.raises(ValueError, match="max_num_encoder_input_tokens must be positive"):
+        EngineConfig(device="cpu", max_num_encoder_input_tokens=0)
