@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParamsError
+from engine.sampling_params import GrammarSpec, SamplingParamsError
 from server.tools.hermes import HermesToolParser
 from server.tools.plan import plan_tools, template_messages
 
@@ -107,3 +107,39 @@ def test_history_arguments_become_objects():
     assert cut[0]["tool_calls"][0]["function"]["arguments"] == "{"
     with pytest.raises(SamplingParamsError):
         template_messages([{"role": "assistant", "tool_calls": [{"function": "f"}]}])
+
+
+GENERIC_ONE = '{"tool_call": {"name": "get_weather", "arguments": {"city": "Oslo"}}}'
+GENERIC_TWO = (
+    '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+    '{"name": "noop", "arguments": {}}]}'
+)
+CITY = {"type": "object", "properties": {"zeta": {"type": "integer"}}, "required": ["zeta"]}
+
+
+def test_generic_grammars_for_templates_without_tools(tokenizer, compiler):
+    """auto: calls or plain text (not opening with '{'); required: calls; named: one call to
+    it; auto with a response_format: calls or the answer's JSON; parallel off: one call."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    def plan(choice, parallel=None, answer=None):
+        return plan_tools([WEATHER, NOOP], choice, parallel, True, answer, "generic")
+
+    cases = {
+        "auto": (plan("auto"), [GENERIC_ONE, GENERIC_TWO, "It is sunny {x}"]),
+        "required": (plan("required"), [GENERIC_ONE, GENERIC_TWO]),
+        "one": (plan("required", False), [GENERIC_ONE]),
+        "named": (plan(named), [GENERIC_ONE]),
+        "answer": (
+            plan("auto", None, GrammarSpec.json_schema(CITY)),
+            [GENERIC_ONE, GENERIC_TWO, '{"zeta": 3}'],
+        ),
+    }
+    everything = [GENERIC_ONE, GENERIC_TWO, "It is sunny {x}", '{"zeta": 3}', "", " lead", "{}"]
+    everything.append(GENERIC_ONE.replace("Oslo", 'Oslo", "u": "1'))  # not in the schema
+    everything.append(GENERIC_ONE.replace("get_weather", "get_weathe"))  # not declared
+    for case, (p, good) in cases.items():
+        assert p.generic and p.parser == "generic" and p.parses_calls, case
+        for text in everything:
+            assert accepts(tokenizer, compiler, p.grammar, text) == (text in good), (case, text)
+    assert plan("none").grammar is None and plan("none").generic
