@@ -1,8 +1,13 @@
-"""The Lark grammars (llguidance) that constrain a chat's output to tool calls, in two formats.
+"""The Lark grammars (llguidance) that constrain a chat's output to tool calls.
 
-    format    one call                                                        several
-    hermes    <tool_call>\\n{"name": N, "arguments": A}\\n</tool_call>           newline-separated
-    generic   {"tool_call": {"name": N, "arguments": A}}                      {"tool_calls": [C, C]}
+    format       one call                                                     several
+    hermes       <tool_call>\\n{"name": N, "arguments": A}\\n</tool_call>        newline-separated
+    generic      {"tool_call": {"name": N, "arguments": A}}                   {"tool_calls": [C, C]}
+    llama3_json  {"name": N, "parameters": A}                                 "; "-separated
+    mistral      [TOOL_CALLS][{"name": N, "arguments": A}]                    [TOOL_CALLS][C, C]
+
+"required" calls are hermes ones (generic on a template with no tool support); "auto" with a
+response_format is the template's own format (`union_grammar`; pythonic templates get hermes).
 
 Each call's arguments follow that function's parameters schema, laid out as OpenAI's JSON is
 (`", "`, `": "`, no free whitespace). Optional alternatives: `answer` (a response_format: a JSON
@@ -45,11 +50,16 @@ def _start(calls: str, answer: GrammarSpec | None, text: bool) -> list[str]:
     return rules
 
 
-def _functions(functions: list[dict], head: str, tail: str) -> list[str]:
-    """`call` = one of the functions: head + its name + arguments in its schema + tail."""
+def _functions(
+    functions: list[dict], head: str, tail: str, key: str = "arguments", brace_apart: bool = False
+) -> list[str]:
+    """`call` = one of the functions: head + its name + arguments (under `key`) in its schema +
+    tail. `brace_apart`: the call's opening brace is a lexeme of its own (the call may start
+    the output, where an answer's JSON opens with the same brace)."""
     rules = ["call: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
     for i, fn in enumerate(functions):
-        opening = json.dumps(f'{head}{{"name": {json.dumps(fn["name"])}, "arguments": ')
+        name = f'"name": {json.dumps(fn["name"])}, {json.dumps(key)}: '
+        opening = f'"{{" {json.dumps(name)}' if brace_apart else json.dumps(f"{head}{{{name}")
         rules.append(f"fn{i}: {opening} args{i} {json.dumps('}' + tail)}")
         rules.append(f"args{i}: %json {json.dumps(with_layout(fn['parameters']))}")
     return rules
@@ -76,3 +86,23 @@ def generic_grammar(
     many = f"{lit('{')} {lit(_MANY)} call ({lit(', ')} call)* {lit(']}')}"
     rules = _start(f"{one} | {many}" if parallel else one, answer, text)
     return GrammarSpec("grammar", "\n".join(rules + _functions(functions, "", "")))
+
+
+def union_grammar(
+    call_format: str | None, functions: list[dict], parallel: bool, answer: GrammarSpec
+) -> tuple[GrammarSpec, str]:
+    """"auto" with a response_format: calls in the chat template's format, or the answer;
+    (the grammar, the parser that reads it)."""
+    lit = json.dumps
+    if call_format == "generic":
+        return generic_grammar(functions, parallel, answer), "generic"
+    if call_format == "llama3_json":
+        calls = f"call ({lit('; ')} call)*" if parallel else "call"
+        rules = _start(calls, answer, False)
+        rules += _functions(functions, "", "", "parameters", brace_apart=True)
+        return GrammarSpec("grammar", "\n".join(rules)), "llama3_json"
+    if call_format == "mistral":
+        more = f" ({lit(', ')} call)*" if parallel else ""
+        rules = _start(f"{lit('[TOOL_CALLS][')} call{more} {lit(']')}", answer, False)
+        return GrammarSpec("grammar", "\n".join(rules + _functions(functions, "", ""))), "mistral"
+    return required_grammar(functions, parallel, answer), "hermes"

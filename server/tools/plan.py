@@ -3,8 +3,8 @@
     tool_choice   what constrains the output              how calls are read      finish_reason
     "none"        nothing (tools still reach the template) no calls               as generated
     "auto"        nothing                                  the template's parser   "tool_calls"
-    "auto" with   grammar: hermes calls | the schema        hermes                  "tool_calls"
-     response_format
+    "auto" with   grammar: calls in the template's        the grammar's format    "tool_calls"
+     response_format  format (grammar.py) | the schema
     "required"    grammar: one or more hermes calls        hermes                  "tool_calls"
     named         grammar: that function's parameters      the text is arguments   "stop"
 
@@ -30,7 +30,7 @@ from typing import Literal
 
 from engine.sampling_params import GrammarSpec, SamplingParamsError
 from server.tools.base import StreamDelta, ToolCallDelta, new_tool_call_id
-from server.tools.grammar import generic_grammar, required_grammar
+from server.tools.grammar import generic_grammar, required_grammar, union_grammar
 from server.tools.registry import get_tool_parser
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -102,8 +102,8 @@ def plan_tools(
     if choice == "auto":
         if answer is None:
             return ToolPlan("auto", functions, parallel=parallel)
-        grammar = required_grammar(functions, parallel, answer)
-        return ToolPlan("auto", functions, grammar, parallel=parallel, parser="hermes")
+        grammar, parser = union_grammar(call_format, functions, parallel, answer)
+        return ToolPlan("auto", functions, grammar, parallel=parallel, parser=parser)
     if choice == "required":
         grammar = required_grammar(functions, parallel)
         return ToolPlan("required", functions, grammar, parallel=parallel, parser="hermes")
