@@ -47,6 +47,7 @@ def build_app(
     tool_call_parser: str | None = None,  # None: tool_choice "auto" is refused
     kv_view: KVView | None = None,
     responses_store_size: int = 1000,
+    tool_call_format: str | None = None,  # the chat template's call format (default: the parser's)
 ) -> FastAPI:
     """The app over the engine's facade (model name, tokenizer, limits all come from it).
 
@@ -57,6 +58,7 @@ def build_app(
     app.state.engine, app.state.metrics = engine, metrics
     ctx = ServingContext.build(engine)
     ctx.tool_call_parser = tool_call_parser
+    ctx.tool_call_format = tool_call_format or tool_call_parser
     ctx.responses = ResponseStore(responses_store_size)
     app.state.serving = ctx
     install_error_handlers(app)

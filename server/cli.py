@@ -182,7 +182,9 @@ def build_server(args: argparse.Namespace, state=None, stage=lambda _: None):
     )
     print(tools.log_line(), flush=True)
     kv_view = None if args.disable_playground else async_engine.kv_view
-    app = build_app(async_engine, metrics, tools.parser, kv_view, args.responses_store_size)
+    app = build_app(
+        async_engine, metrics, tools.parser, kv_view, args.responses_store_size, tools.call_format
+    )
     if state is not None:
         app.state.is_draining = lambda: state.draining
     async_engine.start()

@@ -41,7 +41,8 @@ def add_tool_args(p) -> None:
     p.add_argument(
         "--tool-call-parser",
         choices=sorted(TOOL_PARSERS),
-        help="the tool-call format read from the output (default: read from the chat template)",
+        help="the tool-call format read from the output; generic: tools in the system prompt, "
+        "for templates with no tool support (default: read from the chat template)",
     )
     p.add_argument(
         "--responses-store-size",

@@ -162,6 +162,12 @@ def test_stored_responses_chain_and_404s(tclient, tools_server):
     assert second.output_text == with_first.output_text
     third = tclient.responses.create(input="so?", previous_response_id=second.id, **kw)
     assert third.usage.input_tokens > second.usage.input_tokens
+    # input items of a chained response: every earlier input and output, then its own input
+    own = [tclient.responses.input_items.list(r.id).data[0].id for r in (first, second, third)]
+    chain = tclient.responses.input_items.list(third.id, order="asc", limit=100).data
+    expected = [own[0], *(o.id for o in first.output), own[1], *(o.id for o in second.output)]
+    assert [i.id for i in chain] == [*expected, own[2]]
+    assert [i.id for i in tclient.responses.input_items.list(third.id).data][0] == own[2]
     deleted = httpx.delete(f"{tools_server.url}/v1/responses/{first.id}", timeout=10).json()
     assert deleted == {"id": first.id, "object": "response", "deleted": True}
     for bad in (first.id, alone.id, "resp_nope"):

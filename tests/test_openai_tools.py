@@ -222,6 +222,32 @@ def test_auto_with_each_other_parser(parser_server):
     wait_idle(server.url)
 
 
+def test_auto_with_response_format_in_each_templates_format(parser_server):
+    """"auto" + response_format on a llama3_json|mistral|pythonic template: one grammar of calls
+    in the template's format (hermes for pythonic) or the answer; either way a valid reply."""
+    name, server = parser_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    answer = {"type": "object", "properties": {"zeta": {"type": "integer", "maximum": 9}},
+              "required": ["zeta"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "A", "schema": answer}}
+    kinds = set()
+    for seed in range(4):
+        c = chat(client, tool_choice="auto", response_format=fmt, logit_bias=EOS_BIAS,
+                 max_tokens=120, seed=seed, temperature=1.0).choices[0]  # fmt: skip
+        if c.message.tool_calls:
+            for call in c.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+                # the parser that read it: Mistral's 9-character ids, "call_..." otherwise
+                assert len(call.id) == 9 if name == "mistral" else call.id.startswith("call_")
+            assert c.finish_reason == "tool_calls" and c.message.content is None
+            kinds.add("call")
+        else:
+            jsonschema.validate(json.loads(c.message.content), answer)
+            kinds.add("answer")
+    assert kinds
+    wait_idle(server.url)
+
+
 def test_auto_and_none_without_a_call_are_plain_text(tclient):
     for choice in ("auto", "none"):
         c = chat(tclient, tool_choice=choice, max_tokens=10, temperature=0.0).choices[0]

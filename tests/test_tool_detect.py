@@ -8,6 +8,7 @@ import json
 import pytest
 
 from server.tools.detect import choose_tool_parser, detect_tool_parser
+from server.tools.generic_prompt import generic_conversation
 from server.tools.plan import ToolCallReader, ToolPlan
 from server.tools.registry import get_tool_parser
 from tests.conftest import build_byte_tokenizer
@@ -32,11 +33,13 @@ def assistant_text(template: str, calls: list[tuple[str, dict]]) -> str:
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": None, "tool_calls": tool_calls},
     ]
+    if detect_tool_parser(template)[0] == "generic":  # the server writes the calls as text
+        messages = generic_conversation(messages, [t["function"] for t in TOOLS], "auto")
     text = tok.apply_chat_template(messages, tools=TOOLS, tokenize=False)
     return text.rsplit("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>\n")
 
 
-@pytest.mark.parametrize("style", [s for s in TEMPLATES if s != "none"])
+@pytest.mark.parametrize("style", list(TEMPLATES))
 @pytest.mark.parametrize("num_calls", [1, 2])
 def test_detected_parser_round_trips_the_templates_calls(style, num_calls):
     template, expected = TEMPLATES[style]
@@ -61,10 +64,15 @@ def test_detected_parser_round_trips_the_templates_calls(style, num_calls):
     assert [(names[i], json.loads(args[i])) for i in sorted(args)] == calls
 
 
-def test_template_without_tools_gets_hermes_and_choice_is_logged():
+def test_template_without_tools_gets_generic_and_choice_is_logged():
     template, expected = TEMPLATES["none"]
     assert detect_tool_parser(template) == (expected, "the chat template has no tool support")
-    assert detect_tool_parser(None)[0] == "hermes"
+    assert expected == "generic" and detect_tool_parser(None)[0] == "generic"
+    choice = choose_tool_parser(template, None, False)
+    assert "parser generic (the chat template has no tool support)" in choice.log_line()
+    off = choose_tool_parser(template, None, True)  # forced calls keep the generic format
+    assert (off.parser, off.call_format) == (None, "generic")
+    assert choose_tool_parser(template, "hermes", False).call_format == "hermes"
     choice = choose_tool_parser(TEMPLATES["mistral"][0], None, False)
     assert choice.parser == "mistral" and "mistral" in choice.log_line()
     assert choose_tool_parser(TEMPLATES["mistral"][0], "pythonic", False).parser == "pythonic"
@@ -100,6 +108,7 @@ def test_whitespace_between_calls_is_no_content():
         ("llama3_json", '<|python_tag|>{"name": "get_wea'),
         ("mistral", "ok [TOOL_CALLS]get_wea"),
         ("pythonic", "[get_weather(city='Os"),
+        ("generic", '{"tool_call": {"name": "get_wea'),
     ],
 )
 def test_a_call_cut_by_the_token_limit_leaves_no_markup(parser, text):

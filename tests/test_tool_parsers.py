@@ -106,6 +106,32 @@ def test_arguments_stream_before_the_call_closes():
 W = '{"city": "Paris", "days": 3}'
 # parser -> [(text, (content, calls))]
 CASES = {
+    "generic": [
+        ("It is sunny. {not a call}", ("It is sunny. {not a call}", [])),
+        (
+            f'{{"tool_call": {{"name": "get_weather", "arguments": {W}}}}}',
+            ("", [("get_weather", W)]),
+        ),
+        (
+            '{ "tool_calls" : [ {"name": "f", "arguments": {"s": "a]}"}} ,{"name": "g", '
+            '"arguments": {}} ] }\n',
+            ("", [("f", '{"s": "a]}"}'), ("g", "{}")]),
+        ),
+        (
+            '{"tool_call": {"arguments": {"x": [1, {"y": "}"}]}, "name": "swap"}}',
+            ("", [("swap", '{"x": [1, {"y": "}"}]}')]),
+        ),
+        ('{"tool_call": {"name": "f", "arguments": {}}} and then', (" and then", [("f", "{}")])),
+        ('{"tool_calls": [{"name": "f", "arguments": {}}; x]}', ("; x]}", [("f", "{}")])),
+        ('{"response": "hi"}', ('{"response": "hi"}', [])),
+        ('{"tool_calls": {"a": 1}}', ('{"tool_calls": {"a": 1}}', [])),
+        ('{"tool_call": {"name": "cut", "arguments": {"a": 1', ("", [("cut", '{"a": 1')])),
+        (" \n ", (" \n ", [])),
+        (
+            '{"tool_call": {"name": "uni", "arguments": {"t": "caf\u00e9 ☕"}}}',
+            ("", [("uni", '{"t": "caf\u00e9 ☕"}')]),
+        ),
+    ],
     "llama3_json": [
         ("plain answer; no {call}", ("plain answer; no {call}", [])),
         (f'<|python_tag|>{{"name": "get_weather", "parameters": {W}}}', ("", [("get_weather", W)])),
@@ -167,7 +193,7 @@ PARSER_CASES = [(name, text, expected) for name, cases in CASES.items() for text
 
 
 def test_every_parser_is_registered():
-    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic"]
+    assert sorted(TOOL_PARSERS) == ["generic", "hermes", "llama3_json", "mistral", "pythonic"]
 
 
 @pytest.mark.parametrize("parser,text,expected", PARSER_CASES)

@@ -53,5 +53,5 @@ TEMPLATES = {
     "llama3_json": (LLAMA3_JSON, "llama3_json"),
     "mistral": (MISTRAL, "mistral"),
     "pythonic": (PYTHONIC, "pythonic"),
-    "none": (NO_TOOLS, "hermes"),
+    "none": (NO_TOOLS, "generic"),
 }

@@ -46,6 +46,7 @@ from server.openai.serving import (
 from server.openai.streaming import ChunkEnvelope, ChunkStreamDriver
 from server.request_id import current_request_id
 from server.tools.base import StreamDelta
+from server.tools.generic_prompt import generic_conversation
 from server.tools.plan import ToolCallReader, ToolPlan, plan_tools, template_messages
 
 _TEXT_PART_TYPES = ("text", "input_text")
@@ -75,10 +76,13 @@ def render_chat_prompt(
     add_special_tokens: bool,
     tools: list[dict] | None = None,
     image_token: str | None = None,
+    plan: ToolPlan | None = None,
 ) -> list[int]:
     """The model's chat template as text, then tokens (the template carries its own specials).
 
     `tools` reach the template as its `tools` variable; history tool-call arguments as objects.
+    A template with no tool support (`plan.generic`) gets the tools in the system prompt and
+    the tool history as text instead (server/tools/generic_prompt.py).
     """
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
@@ -88,6 +92,11 @@ def render_chat_prompt(
         conversation = template_messages([_message_dict(m, image_token) for m in messages])
     except SamplingParamsError as e:
         raise APIError(400, str(e), param=e.param) from e
+    if plan is not None and plan.generic:
+        conversation = generic_conversation(
+            conversation, plan.functions, plan.mode, plan.function_name, plan.parallel
+        )
+        tools = None
     try:
         text = tokenizer.apply_chat_template(
             conversation,
@@ -194,9 +203,32 @@ def plan_chat_tools(
 ) -> ToolPlan:
     try:
         auto = ctx.tool_call_parser is not None
-        return plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, auto, answer)
+        return plan_tools(
+            body.tools, body.tool_choice, body.parallel_tool_calls, auto, answer,
+            ctx.tool_call_format,
+        )  # fmt: skip
     except SamplingParamsError as e:
         raise APIError(400, str(e), param=e.param) from e
+
+
+def plan_chat_grammar(ctx: ServingContext, body: ChatCompletionRequest, params):
+    """(tool plan, sampling params with the grammar that covers the output, the field that
+    grammar came from): a tool grammar, the request's own, or one joining both."""
+    source = body.grammar_source()
+    param = source[1] if source else None
+    # a response_format is the final answer's: it joins "auto" calls in one grammar, and a
+    # forced call ("required", named) comes before the answer
+    answer = source[0] if param == "response_format" else None
+    plan = plan_chat_tools(ctx, body, answer)
+    if plan.mode == "auto" and source is not None and answer is None:
+        plan = replace(plan, grammar=None)  # structured_outputs cover the whole text: no calls
+    if plan.grammar is not None:
+        if source is not None and answer is None:
+            msg = f"{param} cannot be combined with tool_choice {plan.mode!r}"
+            raise APIError(400, msg, param=param)
+        params = replace(params, structured_outputs=plan.grammar)
+        param = "response_format" if answer is not None and plan.mode == "auto" else "tools"
+    return plan, params, param
 
 
 async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request_id: str):
@@ -204,21 +236,10 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request
     grammar (compiled here, off the engine thread), template, limits, queue."""
     ctx.check_model(body.model)
     params = to_sampling_params(body, defaults=ctx.generation_defaults)
-    source = body.grammar_source()
-    param = source[1] if source else None
-    # a response_format is the final answer's: it joins "auto" calls in one grammar, and a
-    # forced call ("required", named) comes before the answer
-    answer = source[0] if param == "response_format" else None
-    plan = plan_chat_tools(ctx, body, answer)
+    plan, params, param = plan_chat_grammar(ctx, body, params)
     for fn in plan.functions if plan.mode != "none" else []:  # each schema must compile
         fn_params = replace(params, structured_outputs=GrammarSpec.json_schema(fn["parameters"]))
         await compile_grammar(ctx, fn_params, "tools")
-    if plan.grammar is not None:
-        if source is not None and answer is None:
-            msg = f"{param} cannot be combined with tool_choice {plan.mode!r}"
-            raise APIError(400, msg, param=param)
-        params = replace(params, structured_outputs=plan.grammar)
-        param = "response_format" if plan.mode == "auto" else "tools"
     await compile_grammar(ctx, params, param)
     tools = body.tools if plan.functions else None
     refs = collect_image_refs(body.messages)
@@ -226,7 +247,7 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request
     image_token = ctx.engine.mm_processor.image_token if refs else None
     prompt_ids = render_chat_prompt(
         ctx.tokenizer, body.messages, body.add_generation_prompt, body.add_special_tokens, tools,
-        image_token,
+        image_token, plan,
     )  # fmt: skip
     mm_inputs = None
     if refs:

@@ -11,10 +11,10 @@ refusal the generation endpoint would give (model, fields, context length) is gi
 from __future__ import annotations
 
 import uuid
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from engine.sampling_params import SamplingParams
-from server.openai.chat import plan_chat_tools, render_chat_prompt
+from server.openai.chat import plan_chat_grammar, render_chat_prompt
 from server.openai.completions import tokenize_prompts
 from server.openai.errors import engine_error
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -36,17 +36,14 @@ async def render_completion(ctx: ServingContext, body: CompletionRequest) -> lis
 
 async def render_chat_completion(ctx: ServingContext, body: ChatCompletionRequest) -> dict:
     ctx.check_model(body.model)
-    plan = plan_chat_tools(ctx, body)
     params = to_sampling_params(body, defaults=ctx.generation_defaults)
-    source = body.grammar_source()
-    param = source[1] if source else None
-    if plan.grammar is not None and source is None:  # tool_choice required / a named function
-        params, param = replace(params, structured_outputs=plan.grammar), "tools"
+    plan, params, param = plan_chat_grammar(ctx, body, params)
     await compile_grammar(ctx, params, param)
     tools = body.tools if plan.functions else None
     prompt_ids = render_chat_prompt(
-        ctx.tokenizer, body.messages, body.add_generation_prompt, body.add_special_tokens, tools
-    )
+        ctx.tokenizer, body.messages, body.add_generation_prompt, body.add_special_tokens, tools,
+        plan=plan,
+    )  # fmt: skip
     rid = f"chatcmpl-{current_request_id()}"
     out = _generate_request(ctx, body, rid, prompt_ids, params, "messages")
     out |= {"reasoning_ended": None, "reasoning_parser_kwargs": None}

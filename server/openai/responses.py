@@ -194,8 +194,10 @@ class ResponseWriter(GenerationDriver):
     def _store(self, final: dict) -> dict:
         if self.stored:
             items = with_ids(self.body.input_items())
-            conversation = [*self.history, *items, *final["output"]]
-            self.ctx.responses.put(final["id"], StoredResponse(final, items, conversation))
+            # its input items: the chain's earlier inputs and outputs, then its own input
+            inputs = [*self.history, *items]
+            conversation = [*inputs, *final["output"]]
+            self.ctx.responses.put(final["id"], StoredResponse(final, inputs, conversation))
         return final
 
     def _event(self, kind: str, **fields) -> dict:

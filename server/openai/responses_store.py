@@ -1,6 +1,7 @@
 """Stored responses (`store`, on by default as OpenAI's): a bounded in-memory LRU.
 
-Each entry holds the Response object, its input items (with ids), and the conversation as
+Each entry holds the Response object, its input items (with ids; after a `previous_response_id`
+the chain's earlier inputs and outputs come first, as OpenAI lists them), and the conversation as
 Responses items (every earlier turn's input and output, then its own), which a request naming it
 as `previous_response_id` continues. Instructions are not carried over (OpenAI's rule). The store
 lives in this process: a restart forgets it; `--responses-store-size` bounds it.
@@ -23,7 +24,7 @@ from server.openai.responses_protocol import new_item_id
 @dataclass
 class StoredResponse:
     response: dict
-    input_items: list[dict]
+    input_items: list[dict]  # the chain's earlier inputs and outputs, then its own input
     conversation: list[dict]  # items: earlier turns, this input, this output
 
 

@@ -37,6 +37,9 @@ class ServingContext:
     generation_defaults: dict = field(default_factory=dict)
     # --enable-auto-tool-choice / --tool-call-parser (None: "auto" tool choice is refused)
     tool_call_parser: str | None = None
+    # the call format read from the chat template ("generic": it has no tool support), whether
+    # "auto" is on or off; forced calls use it too
+    tool_call_format: str | None = None
     # stored /v1/responses (--responses-store-size)
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(1000))
 

@@ -8,9 +8,11 @@ call markup the template itself renders for assistant tool calls, in this order:
     "<tool_call>"                                            hermes (Qwen2.5/3, Hermes)
     "func_name1(" / "(params_name1=" (a pythonic example)    pythonic (Llama 3.2 pythonic, Llama 4)
     "<|python_tag|>" or '"parameters": ' (Llama 3.x JSON)    llama3_json
-    anything else, tools used or not                         hermes (the format forced calls use)
+    "tools" (rendered, but in no known call format)          hermes (the format forced calls use)
+    no "tools" at all (SmolLM2's)                            generic (tools in the system prompt)
 
-`--tool-call-parser` overrides the choice; `--disable-auto-tool-choice` turns "auto" off.
+`--tool-call-parser` overrides the choice; `--disable-auto-tool-choice` turns "auto" off (the
+call format stays the detected one: "required" and named calls still use it).
 """
 
 from __future__ import annotations
@@ -24,16 +26,19 @@ _RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("llama3_json", ("<|python_tag|>", '"parameters": ')),
 )
 DEFAULT_PARSER = "hermes"
+NO_TOOLS_PARSER = "generic"
 
 
 @dataclass
 class ToolParserChoice:
     parser: str | None  # None: tool_choice "auto" is refused
     reason: str  # for the start-up log line
+    call_format: str | None = None  # the format read from the template, auto choice on or off
 
     def log_line(self) -> str:
         if self.parser is None:
-            return f"pagedserve: tool calling: auto tool choice off ({self.reason})"
+            off = f"pagedserve: tool calling: auto tool choice off ({self.reason})"
+            return f"{off}, forced calls in the {self.call_format} format"
         return f"pagedserve: tool calling: auto, parser {self.parser} ({self.reason})"
 
 
@@ -46,17 +51,18 @@ def detect_tool_parser(chat_template: str | None) -> tuple[str, str]:
             return name, f"the chat template writes {found!r}"
     if "tools" in text:
         return DEFAULT_PARSER, "the chat template renders tools in no known call format"
-    return DEFAULT_PARSER, "the chat template has no tool support"
+    return NO_TOOLS_PARSER, "the chat template has no tool support"
 
 
 def choose_tool_parser(
     chat_template: str | None, override: str | None, disabled: bool
 ) -> ToolParserChoice:
-    if disabled:
-        return ToolParserChoice(None, "--disable-auto-tool-choice")
+    parser, reason = detect_tool_parser(chat_template)
     if override:
-        return ToolParserChoice(override, "--tool-call-parser")
-    return ToolParserChoice(*detect_tool_parser(chat_template))
+        parser, reason = override, "--tool-call-parser"
+    if disabled:
+        return ToolParserChoice(None, "--disable-auto-tool-choice", parser)
+    return ToolParserChoice(parser, reason, parser)
 
 
 def template_text(tokenizer) -> str | None:

@@ -3,10 +3,15 @@
     tool_choice   what constrains the output              how calls are read      finish_reason
     "none"        nothing (tools still reach the template) no calls               as generated
     "auto"        nothing                                  the template's parser   "tool_calls"
-    "auto" with   grammar: hermes calls | the schema        hermes                  "tool_calls"
-     response_format
+    "auto" with   grammar: calls in the template's        the grammar's format    "tool_calls"
+     response_format  format (grammar.py) | the schema
     "required"    grammar: one or more hermes calls        hermes                  "tool_calls"
     named         grammar: that function's parameters      the text is arguments   "stop"
+
+With a chat template that has no tool support (call format "generic", server/tools/generic.py)
+the tools go into the system prompt and every mode but "none" has a grammar in that format:
+"auto" is calls or plain text (or calls or the response_format's schema), "required" calls, a
+named function one call to it (read as a call, finish_reason "stop").
 
 A forced call is written in the hermes format (`<tool_call>\\n{"name": ..., "arguments": ...}
 \\n</tool_call>`), name first, so its arguments stream as they are generated. With a
@@ -25,12 +30,10 @@ from typing import Literal
 
 from engine.sampling_params import GrammarSpec, SamplingParamsError
 from server.tools.base import StreamDelta, ToolCallDelta, new_tool_call_id
+from server.tools.grammar import generic_grammar, required_grammar, union_grammar
 from server.tools.registry import get_tool_parser
 
 ToolMode = Literal["none", "auto", "required", "named"]
-
-# The JSON inside a forced call is laid out as OpenAI's is (see engine/sample/structured_output.py).
-_X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass
@@ -40,11 +43,13 @@ class ToolPlan:
     grammar: GrammarSpec | None = None
     function_name: str | None = None  # the named function
     parallel: bool = True
-    parser: str | None = None  # the format a grammar forces ("hermes"); None: the server's
+    parser: str | None = None  # the format a grammar forces; None: the server's
+    generic: bool = False  # the chat template has no tool support: the generic format
 
     @property
     def parses_calls(self) -> bool:
-        return self.mode in ("auto", "required")
+        """The text holds calls in a format (a named call in the generic format, too)."""
+        return self.mode in ("auto", "required") or (self.mode == "named" and self.generic)
 
 
 def check_tools(tools: list | None) -> list[dict]:
@@ -72,33 +77,53 @@ def plan_tools(
     parallel_tool_calls: bool | None,
     auto_enabled: bool,
     answer: GrammarSpec | None = None,
+    call_format: str | None = None,
 ) -> ToolPlan:
-    """`answer`: the response_format grammar, if any (json or json_object)."""
+    """`answer`: the response_format grammar, if any (json or json_object); `call_format`:
+    "generic" for a chat template with no tool support (every mode but "none" gets a grammar)."""
+    generic = call_format == "generic"
     functions = check_tools(tools)
     if not functions:
         if tool_choice not in (None, "none"):
             raise SamplingParamsError("tool_choice", "tool_choice needs tools")
-        return ToolPlan("none", [])
+        return ToolPlan("none", [], generic=generic)
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
-        return ToolPlan("none", functions)
+        return ToolPlan("none", functions, generic=generic)
     parallel = parallel_tool_calls is not False
+    if choice == "auto" and not auto_enabled:
+        msg = '"auto" tool choice is off on this server (--disable-auto-tool-choice)'
+        raise SamplingParamsError("tool_choice", msg)
+    name = None if choice in ("auto", "required") else _named_function(choice)
+    if name is not None and all(f["name"] != name for f in functions):
+        raise SamplingParamsError("tool_choice", f"tool_choice names {name!r}, not in tools")
+    if generic:
+        return _generic_plan(functions, name or choice, parallel, answer)
     if choice == "auto":
-        if not auto_enabled:
-            msg = '"auto" tool choice is off on this server (--disable-auto-tool-choice)'
-            raise SamplingParamsError("tool_choice", msg)
         if answer is None:
             return ToolPlan("auto", functions, parallel=parallel)
-        grammar = required_grammar(functions, parallel, answer)
-        return ToolPlan("auto", functions, grammar, parallel=parallel, parser="hermes")
+        grammar, parser = union_grammar(call_format, functions, parallel, answer)
+        return ToolPlan("auto", functions, grammar, parallel=parallel, parser=parser)
     if choice == "required":
         grammar = required_grammar(functions, parallel)
         return ToolPlan("required", functions, grammar, parallel=parallel, parser="hermes")
-    name = _named_function(choice)
-    fn = next((f for f in functions if f["name"] == name), None)
-    if fn is None:
-        raise SamplingParamsError("tool_choice", f"tool_choice names {name!r}, not in tools")
+    fn = next(f for f in functions if f["name"] == name)
     return ToolPlan("named", functions, GrammarSpec.json_schema(fn["parameters"]), name)
+
+
+def _generic_plan(
+    functions: list[dict], choice: str, parallel: bool, answer: GrammarSpec | None
+) -> ToolPlan:
+    """The generic format's plan: "auto" is calls or text (or the answer's schema), "required"
+    calls, a named function one call to it (`choice` is its name)."""
+    if choice in ("auto", "required"):
+        answer = answer if choice == "auto" else None
+        text = choice == "auto" and answer is None
+        grammar = generic_grammar(functions, parallel, answer, text)
+        return ToolPlan(choice, functions, grammar, None, parallel, "generic", generic=True)
+    named = [f for f in functions if f["name"] == choice]
+    grammar = generic_grammar(named, False)
+    return ToolPlan("named", functions, grammar, choice, False, "generic", generic=True)
 
 
 def _named_function(choice) -> str:
@@ -109,34 +134,6 @@ def _named_function(choice) -> str:
             return name
     msg = 'tool_choice must be "none", "auto", "required" or {"type": "function", ...}'
     raise SamplingParamsError("tool_choice", msg)
-
-
-def _with_layout(schema: dict) -> dict:
-    return {**schema, "x-guidance": {**_X_GUIDANCE, **schema.get("x-guidance", {})}}
-
-
-def _answer_rule(answer: GrammarSpec) -> str:
-    schema = {"type": "object"} if answer.kind == "json_object" else json.loads(answer.text)
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
-    return f"answer: %json {json.dumps(_with_layout(schema), ensure_ascii=False)}"
-
-
-def required_grammar(
-    functions: list[dict], parallel: bool, answer: GrammarSpec | None = None
-) -> GrammarSpec:
-    """Lark: one hermes call to any of the functions (or several, newline-separated); with
-    `answer`, either those calls or a JSON answer in its schema."""
-    calls = f"call ({json.dumps(chr(10))} call)*" if parallel else "call"
-    rules = [f"start: calls | answer\ncalls: {calls}", _answer_rule(answer)] if answer else []
-    rules = rules or [f"start: {calls}"]
-    rules.append("call: " + " | ".join(f"fn{i}" for i in range(len(functions))))
-    tail = json.dumps("}\n</tool_call>")
-    for i, fn in enumerate(functions):
-        head = json.dumps(f'<tool_call>\n{{"name": {json.dumps(fn["name"])}, "arguments": ')
-        rules.append(f"fn{i}: {head} args{i} {tail}")
-        rules.append(f"args{i}: %json {json.dumps(_with_layout(fn['parameters']))}")
-    return GrammarSpec("grammar", "\n".join(rules))
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
@@ -214,6 +211,6 @@ class ToolCallReader:
 
     def finish_reason(self, generated: str | None) -> str | None:
         """OpenAI's: "tool_calls" when auto or required produced calls; a named call "stop"."""
-        if generated == "stop" and self.num_calls and self.plan.parses_calls:
+        if generated == "stop" and self.num_calls and self.plan.mode != "named":
             return "tool_calls"
         return generated

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from server.tools.base import PrefixToolParser
+from server.tools.generic import GenericToolParser
 from server.tools.hermes import HermesToolParser
 from server.tools.llama3_json import Llama3JsonToolParser
 from server.tools.mistral import MistralToolParser
 from server.tools.pythonic import PythonicToolParser
 
 TOOL_PARSERS: dict[str, type[HermesToolParser] | type[PrefixToolParser]] = {
+    "generic": GenericToolParser,
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
