@@ -222,8 +222,7 @@ class LLMEngine:
                 self.scheduler.finish_by_stop_string(req, stop_str)
             stats.num_generation_tokens += len(new_ids)
             outputs.append(self._make_output(req, new_ids, delta, now, logprobs))
-        for out in outputs if runner_out.pooler_output else ():  # pooling: the vectors
-            out.pooled_output = runner_out.pooler_output.get(out.request_id)
+        _attach_pooled(outputs, runner_out.pooler_output)  # pooling requests: their vectors
         for out in outputs:
             if out.finished:
                 stats.finished.append(out.metrics)
@@ -355,6 +354,11 @@ class LLMEngine:
             return ",".join(sorted({r.lora_request.name for r in reqs if r.lora_request}))
 
         return self.config.max_loras, names(sched.running), names(sched.waiting)
+
+
+def _attach_pooled(outputs: list[RequestOutput], pooled: dict) -> None:
+    for out in outputs if pooled else ():
+        out.pooled_output = pooled.get(out.request_id)
 
 
 def _spec_stats(out: SchedulerOutput) -> dict:

@@ -71,7 +71,9 @@ def make_pooling_request(
     vocab = engine.vocab_size
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
     if bad is not None:
-        raise RequestRejectedError(f"token id {bad} is out of the vocabulary (size {vocab})", "input")
+        raise RequestRejectedError(
+            f"token id {bad} is out of the vocabulary (size {vocab})", "input"
+        )
     req = Request(request_id, prompt_token_ids, _POOLING_SAMPLING)
     req.pooling_params = PoolingParams(pooling_type)
     engine.scheduler.check_fits(req)

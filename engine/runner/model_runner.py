@@ -104,11 +104,9 @@ class ModelRunner:
             logger.info("KV cache groups (window per group): %s", self.kv_cache_spec.windows)
 
     def _load_model(self, model_dir: Path, hf_config) -> nn.Module:
-        cfg = self.config
-        return load_model(
-            model_dir, hf_config, self.backend, self.dtype, self.device, cfg.quantization,
-            cfg.gguf_weights,
-        )
+        cfg, dev = self.config, self.device
+        args = (self.backend, self.dtype, dev, cfg.quantization, cfg.gguf_weights)
+        return load_model(model_dir, hf_config, *args)
 
     def _allocate_input_buffers(self) -> None:
         """Host buffers reused every step, sized for the largest possible batch."""

@@ -52,7 +52,8 @@ class PoolingModelRunner(ModelRunner):
         input_ids, positions, meta, _, _ = self.prepare_inputs(out)
         hidden = self._forward(out, input_ids, positions, meta)
         return ModelRunnerOutput(
-            sampled_token_ids=[None] * len(out.requests), pooler_output=self.pooler.pool(out, hidden)
+            sampled_token_ids=[None] * len(out.requests),
+            pooler_output=self.pooler.pool(out, hidden),
         )
 
     def release(self, request_id: str) -> None:
