@@ -100,6 +100,7 @@ class AsyncPoolingLLMEngine(AsyncEngine):
         """One vector per prompt, in order: each prompt its own request (as vLLM), pooled,
         truncated to `dimensions` and normalised as the model says."""
         self.check_health()
+        self.check_queue(len(prompts))  # --max-num-queued-reqs (QueueFullError: 503)
         kind = self.pooling.pooling_type
         base = f"embd-{next(_ids)}"
         reqs = [
