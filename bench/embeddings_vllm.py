@@ -28,7 +28,16 @@ def main() -> None:
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     from vllm import LLM, TokensPrompt
 
-    llm = LLM(model=args.model_dir, runner="pooling", dtype="float32", max_model_len=512)
+    # the CPU backend reserves gpu_memory_utilization of the host's memory (shared here) and
+    # one core for its scheduler unless told otherwise: every core computes, as ours do
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    llm = LLM(
+        model=args.model_dir,
+        runner="pooling",
+        dtype="float32",
+        max_model_len=512,
+        gpu_memory_utilization=0.1,
+    )
     texts = json.loads(args.check)
     if texts:
         vecs = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]
