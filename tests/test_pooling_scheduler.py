@@ -98,24 +98,31 @@ def test_chunked_prefill_beside_other_requests(embedder):
 
 
 def test_prefix_cache_hit_for_last_token_only(embedder):
-    """The same long input twice: last-token pooling hits the cached blocks (the last token
-    is still computed); mean pooling looks nothing up and recomputes every position."""
+    """The same long input again, beside other inputs: last-token pooling hits the cached
+    blocks (the last token is still computed); mean pooling looks nothing up and recomputes
+    every position."""
     model_dir, ref = embedder
     engine = _engine(model_dir)
-    ids = _ids(engine, TEXTS)["r1"]
+    prompts = _ids(engine, TEXTS)
+    ids, others = prompts["r1"], {"r0": prompts["r0"], "r2": prompts["r2"]}
     first, _, _ = _run(engine, {"a": ids})
-    second, stats, _ = _run(engine, {"b": ids})
+    second, stats, sizes = _run(engine, {"b": ids, **others})
+    num_others = sum(map(len, others.values()))
     queries = sum(s.prefix_cache_queries for s in stats)
     hits = sum(s.prefix_cache_hits for s in stats)
+    scheduled = sum(s.num_scheduled_tokens for s in stats)
     if engine.pooling.pooling_type == "LAST":
-        assert hits >= len(ids) - 16 and queries == len(ids)
-        assert sum(s.num_scheduled_tokens for s in stats) <= 16  # only the last block ran
+        assert hits >= len(ids) - 16 and queries == len(ids) + num_others
+        assert scheduled <= 16 + num_others  # of the long input only its last block ran
+        assert sizes[0] == 3  # the hit and the others in one step
     else:
         assert engine.pooling.pooling_type == "MEAN"
         assert queries == 0 and hits == 0
-        assert sum(s.num_scheduled_tokens for s in stats) == len(ids)
-    _assert_matches(first["a"], ref[1])
-    _assert_matches(second["b"], ref[1])
+        assert scheduled == len(ids) + num_others
+    for vec in (first["a"], second["b"]):
+        _assert_matches(vec, ref[1])
+    _assert_matches(second["r0"], ref[0])
+    _assert_matches(second["r2"], ref[2])
     _assert_nothing_left(engine)
 
 
