@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import tempfile
 import time
@@ -57,12 +58,21 @@ def main() -> None:
     ap.add_argument("--sizes", default="16,512", help="tokens per input; default 16,512")
     ap.add_argument("--batches", default="1,64", help="inputs per call; default 1,64")
     ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads for every side (vLLM: cores 0..N-1); default 0: each side's own",
+    )
+    ap.add_argument(
         "--vllm-python",
         default=str(Path(__file__).parent / ".venv-vllm" / "bin" / "python"),
         help="vLLM's interpreter (its CPU build) for the peer column; 'none' to skip",
     )
     args = ap.parse_args()
     from sentence_transformers import SentenceTransformer
+
+    if args.threads:  # a loaded machine: oversubscribed threads spin, so pin every side alike
+        torch.set_num_threads(args.threads)
 
     model_dir = resolve_model("all-MiniLM-L6-v2")
     config = EngineConfig(
@@ -82,7 +92,7 @@ def main() -> None:
             theirs = time_it(lambda t=texts, b=batch: st.encode(t, batch_size=b), args.repeats)
             rows.append((size, batch, batch / ours, batch / theirs))
             cells.append((size, batch, ids))
-    peer = run_vllm(args.vllm_python, model_dir, cells, args.repeats, st)
+    peer = run_vllm(args.vllm_python, model_dir, cells, args.repeats, st, args.threads)
     print(f"{'tokens':>6} {'batch':>5} {'pagedserve/s':>13} {'st/s':>9} {'ratio':>6}"
           f" {'vllm/s':>9} {'ratio':>6}")  # fmt: skip
     for size, batch, ours, theirs in rows:
@@ -91,7 +101,9 @@ def main() -> None:
         print(f"{size:>6} {batch:>5} {ours:>13.1f} {theirs:>9.1f} {ours / theirs:>6.2f}" + tail)
 
 
-def run_vllm(python: str, model_dir, cells, repeats: int, st) -> dict[tuple[int, int], float]:
+def run_vllm(
+    python: str, model_dir, cells, repeats: int, st, threads: int = 0
+) -> dict[tuple[int, int], float]:
     """(tokens, batch) -> vLLM's embeddings/s on the same ids; {} without vLLM (said why)."""
     if python == "none" or not Path(python).is_file():
         print(f"vLLM: skipped (no interpreter at {python})")
@@ -102,8 +114,15 @@ def run_vllm(python: str, model_dir, cells, repeats: int, st) -> dict[tuple[int,
         f.flush()
         script = Path(__file__).parent / "embeddings_vllm.py"
         cmd = [python, str(script), str(model_dir), f.name, "--repeats", str(repeats)]
+        env = dict(os.environ)
+        if threads:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
         proc = subprocess.run(
-            [*cmd, "--check", json.dumps(check)], capture_output=True, text=True, cwd="/tmp"
+            [*cmd, "--check", json.dumps(check)],
+            capture_output=True,
+            text=True,
+            cwd="/tmp",
+            env=env,
         )
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     if proc.returncode != 0 or not lines:
