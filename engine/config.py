@@ -78,6 +78,9 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     # KV-cache events for routers (engine/kv_events.py): vLLM's JSON keys, text or a dict
     kv_events_config: object | None = None
+    # "pooling": a causal embedder served on the scheduler, pooled instead of sampled
+    # (engine/pooling_llm.py, engine/runner/pooling_hook.py); set by its builder, uni only
+    runner: str = "generate"
 
     def __post_init__(self) -> None:
         """Fills the defaults left unset, then checks every field (the first bad one raises)."""

@@ -42,6 +42,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.model_dir = resolve_model(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        if config.runner == "pooling":  # engine/pooling_llm.py: Qwen3Model runs as its LM class
+            from engine.runner.pooling_runner import decoder_architecture
+
+            self.hf_config.architectures = [decoder_architecture(self.hf_config)]
         # the text model's config: the config itself, or a vision-language model's text_config
         self.text_config = self.hf_config.get_text_config()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -218,6 +222,7 @@ class LLMEngine:
                 self.scheduler.finish_by_stop_string(req, stop_str)
             stats.num_generation_tokens += len(new_ids)
             outputs.append(self._make_output(req, new_ids, delta, now, logprobs))
+        _attach_pooled(outputs, runner_out.pooler_output)  # pooling requests: their vectors
         for out in outputs:
             if out.finished:
                 stats.finished.append(out.metrics)
@@ -349,6 +354,11 @@ class LLMEngine:
             return ",".join(sorted({r.lora_request.name for r in reqs if r.lora_request}))
 
         return self.config.max_loras, names(sched.running), names(sched.waiting)
+
+
+def _attach_pooled(outputs: list[RequestOutput], pooled: dict) -> None:
+    for out in outputs if pooled else ():
+        out.pooled_output = pooled.get(out.request_id)
 
 
 def _spec_stats(out: SchedulerOutput) -> dict:

@@ -37,6 +37,7 @@ class RequestOutput:
     prompt: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first entry None, if asked for
     metrics: RequestMetrics | None = None  # set once, when finished
+    pooled_output: object | None = None  # a pooling request's vector (torch), when finished
 
 
 @dataclass
@@ -89,6 +90,8 @@ class ModelRunnerOutput:
     # their logprobs, one per token, for requests with params.logprobs set.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # pooling requests whose last prompt chunk ran: request id -> pooled float32 CPU vector
+    pooler_output: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass

@@ -62,16 +62,7 @@ class PoolingEngine:
         self.stats = PoolingStats()
 
     def _max_model_len(self, config: EngineConfig) -> int:
-        """The user's limit, else sentence-transformers' max_seq_length, else the model's."""
-        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 512
-        limit = self.pooling.max_seq_length or model_max
-        if config.max_model_len is None:
-            return min(limit, model_max)
-        if config.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's limit {model_max}"
-            )
-        return config.max_model_len
+        return pooling_max_model_len(config, self.hf_config, self.pooling)
 
     @property
     def max_model_len(self) -> int:
@@ -143,6 +134,19 @@ class PoolingEngine:
 
     def shutdown(self) -> None:
         """Nothing runs in other processes."""
+
+
+def pooling_max_model_len(config: EngineConfig, hf_config, pooling) -> int:
+    """The user's limit, else sentence-transformers' max_seq_length, else the model's."""
+    model_max = getattr(hf_config, "max_position_embeddings", None) or 512
+    limit = pooling.max_seq_length or model_max
+    if config.max_model_len is None:
+        return min(limit, model_max)
+    if config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's limit {model_max}"
+        )
+    return config.max_model_len
 
 
 def wants_pooling(

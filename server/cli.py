@@ -200,18 +200,46 @@ def build_pooling_server(args: argparse.Namespace, state=None):
         AsyncPoolingEngine,
         PoolingEngine,
     )
+    from engine.pooling_llm import pools_on_scheduler
     from server.app import build_app
     from server.metrics import Metrics
 
     config = engine_config(args)
     if args.max_num_batched_tokens is None:
         config = replace(config, max_num_batched_tokens=POOLING_MAX_NUM_BATCHED_TOKENS)
+    if pools_on_scheduler(args.model, args.hf_overrides):  # a decoder embedder
+        return _build_scheduled_pooling_server(args, config, state)
     pooling = PoolingEngine(config, args.hf_overrides)
     metrics = Metrics(pooling.model_name, pooling.max_model_len)
     if state is not None:
         metrics.watch_connections(state.connections)
     engine = AsyncPoolingEngine(pooling, metrics.observe)
     print(f"pagedserve: pooling runner: {pooling.backend_name}", flush=True)
+    app = build_app(engine, metrics, None, None)
+    if state is not None:
+        app.state.is_draining = lambda: state.draining
+    engine.start()
+    return engine, app
+
+
+def _build_scheduled_pooling_server(args: argparse.Namespace, config: EngineConfig, state):
+    """A causal embedder on the shared scheduler (engine/pooling_llm.py): chunked prefill,
+    prefix caching and the generating server's metrics."""
+    from engine.pooling_llm import AsyncPoolingLLMEngine, build_pooling_llm_engine
+    from server.app import build_app
+    from server.metrics import Metrics
+
+    llm = build_pooling_llm_engine(config)
+    metrics = Metrics(llm.model_name, llm.config.max_model_len)
+    metrics.cache_config_info(
+        llm.config.block_size, llm.executor.num_blocks,
+        enable_prefix_caching=llm.config.enable_prefix_caching,
+    )  # fmt: skip
+    if state is not None:
+        metrics.watch_connections(state.connections)
+    metrics.observe(llm.snapshot_stats())
+    engine = AsyncPoolingLLMEngine(llm, metrics.observe, args.max_num_queued_reqs)
+    print(f"pagedserve: pooling on the scheduler: {llm.executor.backend_name}", flush=True)
     app = build_app(engine, metrics, None, None)
     if state is not None:
         app.state.is_draining = lambda: state.draining

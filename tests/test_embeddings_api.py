@@ -192,6 +192,24 @@ def test_metrics_count_embedding_requests(embed_server):
     before = read("vllm:request_success_total", finished_reason="stop")
     tokens = read("vllm:prompt_tokens_total")
     httpx.post(embed_server.url + "/v1/embeddings", json={"input": ["abc", "de"]})
-    assert read("vllm:request_success_total", finished_reason="stop") == before + 1
+    # a causal embedder runs each input as its own engine request, as vLLM does
+    assert read("vllm:request_success_total", finished_reason="stop") == before + 2
     assert read("vllm:prompt_tokens_total") == tokens + 5
     assert read("vllm:e2e_request_latency_seconds_count") >= 1
+
+
+def test_causal_embedder_runs_on_the_scheduler(embed_server, reference):
+    """The decoder embedder is served by the shared scheduler: a repeated long input hits the
+    prefix cache (last-token pooling), chunked under the server's --max-num-batched-tokens."""
+    from tests.conftest import metric_value
+
+    def read(name):
+        text = httpx.get(embed_server.url + "/metrics").text
+        return metric_value(text, name, {"model_name": "emb"})
+
+    hits = read("vllm:prefix_cache_hits_total")
+    for _ in range(2):
+        resp = httpx.post(embed_server.url + "/v1/embeddings", json={"input": TEXTS[1]})
+        assert _cos(resp.json()["data"][0]["embedding"], reference[1]) >= 0.9999
+    assert read("vllm:prefix_cache_hits_total") >= hits + 512
+    assert read("vllm:kv_cache_usage_perc") == 0.0  # every block given back (cached ones free)

@@ -116,7 +116,12 @@ class KVCacheManager:
         which touches them.
         """
         # A hit skips prompt rows, and prompt logprobs need every prompt position computed.
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        # Mean/CLS pooling needs every prompt position's hidden state too (engine/core/pooling.py).
+        if (
+            not self.enable_caching
+            or request.sampling_params.prompt_logprobs is not None
+            or request.skip_reading_prefix_cache
+        ):
             return ([[] for _ in self.groups] if self.num_groups > 1 else []), 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

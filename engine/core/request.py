@@ -86,12 +86,18 @@ class Request:
         self.fork_parent_id: str | None = None
         # the LoRA adapter this request runs under (engine/lora LoRARequest), None: the base
         self.lora_request = None
+        # engine.core.pooling.PoolingParams: pooled when its prompt is computed, never sampled
+        self.pooling_params = None
 
     def block_extra_keys(self, start: int, end: int) -> bytes:
         """Extra hash keys of the block holding token positions [start, end)."""
         keys = [self.cache_salt] if start == 0 and self.cache_salt else []
         keys += [h for s, n, h in self.mm_spans if s < end and s + n > start]
         return b"".join(keys)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        return self.pooling_params is not None and self.pooling_params.skip_reading_prefix_cache
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from engine.core.block_pool import KVCacheBlock
 from engine.core.encoder_budget import EncoderBudget
 from engine.core.forks import drop_fork_waiting, fork_ready, hold_for_fork
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.pooling import check_pooling_fits, finish_pooled
 from engine.core.request import Request, RequestRejectedError, RequestStatus
 from engine.core.request_queue import RequestQueue
 from engine.core.scheduler_output import SchedulerOutput
@@ -85,6 +86,8 @@ class Scheduler:
         context_length_exceeded); the server and the offline API both reach it through
         LLMEngine.make_request.
         """
+        if request.pooling_params is not None:  # no token sampled (engine/core/pooling.py)
+            return check_pooling_fits(self, request)
         num_prompt = request.num_prompt_tokens
         max_tokens = request.sampling_params.max_tokens
         max_len = self.max_model_len
@@ -380,6 +383,8 @@ class Scheduler:
                 self._free_finished(req)
                 num_finished += 1
             results.append((req, [token_id]))
+        if runner_output.pooler_output:  # pooling requests whose prompt is computed
+            num_finished += finish_pooled(self, runner_output.pooler_output, results)
         if num_finished:  # one pass per step instead of a list.remove per finished request
             self.running = [r for r in self.running if r.status is _RUNNING]
         return results

@@ -104,8 +104,10 @@ class UniProcExecutor(Executor):
         # Imported here, not for a cycle: an engine on worker processes never loads the model
         # runner (torch, the model code) in its own process.
         from engine.runner.model_runner import ModelRunner
+        from engine.runner.pooling_hook import PoolingModelRunner  # a causal embedder's
 
-        self.runner = ModelRunner(config, model_dir, hf_config)
+        runner_cls = PoolingModelRunner if config.runner == "pooling" else ModelRunner
+        self.runner = runner_cls(config, model_dir, hf_config)
         self.num_blocks = self.runner.num_blocks
         self.kv_cache_bytes = self.runner.kv_cache_bytes
         self.kv_windows = self.runner.kv_cache_spec.windows

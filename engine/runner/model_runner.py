@@ -76,10 +76,7 @@ class ModelRunner:
             _set_cpu_threads()
         torch.manual_seed(config.seed)
         check_model_config(hf_config, config.max_model_len)  # one line, before any weight is read
-        self.model = load_model(
-            model_dir, hf_config, self.backend, self.dtype, self.device, config.quantization,
-            config.gguf_weights,
-        )
+        self.model = self._load_model(model_dir, hf_config)  # a pooling runner's loads its way
         # LoRA: adapters added to the decoder linears, a per-token adapter index each step
         self.lora = (
             LoRAManager(self.model, config, self.dtype, self.device) if config.enable_lora else None
@@ -107,6 +104,11 @@ class ModelRunner:
             self.fused_decode = FusedDecode.build(self.model, self.backend)  # None: per layer
         if not self._plain_attention:
             logger.info("KV cache groups (window per group): %s", self.kv_cache_spec.windows)
+
+    def _load_model(self, model_dir: Path, hf_config) -> nn.Module:
+        cfg, dev = self.config, self.device
+        args = (self.backend, self.dtype, dev, cfg.quantization, cfg.gguf_weights)
+        return load_model(model_dir, hf_config, *args)
 
     def _allocate_input_buffers(self) -> None:
         """Host buffers reused every step, sized for the largest possible batch."""

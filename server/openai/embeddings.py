@@ -17,7 +17,7 @@ import numpy as np
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, StrictInt, StrictStr
 
-from server.openai.errors import APIError
+from server.openai.errors import APIError, engine_error
 from server.openai.serving import ServingContext
 
 EmbeddingInput = StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
@@ -54,7 +54,10 @@ async def create_embedding(ctx: ServingContext, body: EmbeddingRequest) -> JSONR
         raise APIError(400, msg, param="model")
     check_dimensions(ctx, body.dimensions)
     prompts = tokenize_inputs(ctx, body)
-    vecs = await ctx.engine.embed(prompts, body.dimensions)
+    try:
+        vecs = await ctx.engine.embed(prompts, body.dimensions)
+    except (ValueError, RuntimeError) as e:  # refused by the engine, queue full, engine dead
+        raise engine_error(e) from e
     num_tokens = sum(len(p) for p in prompts)
     data = [
         {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
