@@ -130,6 +130,40 @@ def test_reload_under_the_same_name_changes_output_and_misses_the_cache(
     assert second == peft_greedy(tiny_model_dir, adapters["qv"], [prompt], MAX_NEW)[0]
 
 
+def test_unloaded_adapter_whose_folder_is_gone_and_slot_reused_finishes_its_requests(
+    tiny_model_dir, adapters, tmp_path
+):
+    """Unload an adapter mid-request, delete its folder, let another adapter take its only
+    slot: the running request still finishes on its own weights (never re-read from disk)."""
+    from types import SimpleNamespace
+
+    prompt = make_prompts(1, seed=9, min_len=10, max_len=10)[0]
+    gone = shutil.copytree(adapters["attn"], tmp_path / "gone")
+    engine = make_engine(
+        tiny_model_dir, {"gone": gone, "mlp": adapters["mlp"]}, max_loras=1, max_cpu_loras=1
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    engine.add_request("0", prompt, params, lora_name="gone")
+    tokens = [t for out in engine.step()[0] for t in out.outputs[0].token_ids]  # prefill
+    engine.lora_registry.unload("gone")
+    shutil.rmtree(gone)
+    other = engine.lora_registry.get("mlp")
+    lora = engine.runner.lora
+    lora.prepare([SimpleNamespace(lora_request=other)], [1])  # a step of "mlp" takes the slot
+    assert lora.slots == [other.content_hash]
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step()[0] for t in out.outputs[0].token_ids]
+    assert tokens == peft_greedy(tiny_model_dir, adapters["attn"], [prompt], MAX_NEW)[0]
+    with pytest.raises(ValueError, match="`gone` does not exist"):
+        engine.add_request("1", prompt, params, lora_name="gone")
+    (tuned,), _ = run(engine, [(prompt, "mlp")])  # the slot serves the other adapter again
+    assert tuned == peft_greedy(tiny_model_dir, adapters["mlp"], [prompt], MAX_NEW)[0]
+    import gc
+
+    gc.collect()
+    assert not lora.retired  # the last request under it finished: its weights are dropped
+
+
 def test_unknown_adapter_is_refused(tiny_model_dir, adapters):
     engine = make_engine(tiny_model_dir, {"attn": adapters["attn"]})
     params = SamplingParams(temperature=0.0, max_tokens=2)
@@ -204,30 +238,60 @@ def test_lora_module_forms():
         EngineConfig(model="x", enable_lora=True, max_loras=2, max_cpu_loras=1)
 
 
-def test_stacked_gemms_equal_the_per_token_gather_oracle():
-    from engine.layers.lora import LoRABatch, LoRALinearWeights, lora_delta_native
+def _stacked(dtype, ops=None):
+    from engine.layers.lora import LoRABatch, LoRALinearWeights
 
     torch.manual_seed(0)
-    batch = LoRABatch(num_slots=3, max_rank=8, dtype=torch.float32, device="cpu")
-    weights = LoRALinearWeights(16, [12, 6, 6], batch, torch.float32, "cpu")
+    batch = LoRABatch(num_slots=3, max_rank=8, dtype=dtype, device="cpu", ops=ops)
+    weights = LoRALinearWeights(40, [36, 6, 18], batch, dtype, "cpu")
     for slot, rank in enumerate((8, 3, 5)):
-        parts = [(torch.randn(rank, 16), torch.randn(n, rank)) for n in (12, 6, 6)]
+        parts = [(torch.randn(rank, 40), torch.randn(n, rank)) for n in (36, 6, 18)]
         parts[1 + slot % 2] = None  # a part the adapter does not target
         weights.set_slot(slot, parts)
     weights.grow(1)  # a fourth, empty slot
     batch.num_slots = 4
+    return batch, weights
+
+
+def _check_paths(batch, weights, slots, x, scaling, **tol):
+    """The batched path (kernel or torch) adds the oracle's delta to the base output."""
+    from engine.layers.lora import lora_delta_native
+
+    batch.set(slots, scaling)
+    y = torch.randn(len(slots), weights.out_features, dtype=x.dtype)
+    ref = y.float() + lora_delta_native(weights, x).float()
+    got = weights.add_to(y.clone(), x)
+    torch.testing.assert_close(got.float(), ref, **tol)
+    return got - y
+
+
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+def test_stacked_gemms_equal_the_per_token_gather_oracle(path, request):
+    ops = request.getfixturevalue("ops") if path == "kernel" else None
+    batch, weights = _stacked(torch.float32, ops)
+    scaling = torch.tensor([2.0, 0.5, 1.5, 1.0])
     slots = torch.tensor([-1, 0, 2, 1, 1, -1, 3, 0, 2])
-    batch.set(slots, torch.tensor([2.0, 0.5, 1.5, 1.0]))
-    x = torch.randn(len(slots), 16)
-    got, ref = weights.delta(x), lora_delta_native(weights, x)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    assert got[0].abs().max() == 0 and got[6].abs().max() == 0  # base tokens, an empty slot
-    assert got[1].abs().max() > 0
+    x = torch.randn(len(slots), 40)
+    tol = {"rtol": 1e-5, "atol": 1e-5}
+    delta = _check_paths(batch, weights, slots, x, scaling, **tol)
+    assert delta[0].abs().max() == 0 and delta[6].abs().max() == 0  # base tokens, an empty slot
+    assert delta[1].abs().max() > 0
     low = torch.tensor([1, -1, 0, 1])  # slots 2 and 3 idle: the GEMMs take slots 0..1 only
-    batch.set(low, torch.tensor([2.0, 0.5, 1.5, 1.0]), num_active=2)
-    torch.testing.assert_close(
-        weights.delta(x[:4]), lora_delta_native(weights, x[:4]), rtol=1e-5, atol=1e-5
-    )
+    _check_paths(batch, weights, low, x[:4], scaling, **tol)
+    one = torch.tensor([-1, 0, 0, -1, 0])  # one adapter and base tokens: only its rows
+    delta = _check_paths(batch, weights, one, x[:5], scaling, **tol)
+    assert delta[0].abs().max() == 0 and delta[1].abs().max() > 0
+    assert (batch.rows is not None) == (path == "torch")
+    _check_paths(batch, weights, torch.tensor([2, 2]), x[:2], scaling, **tol)  # all one slot
+
+
+def test_lora_kernel_in_bf16_and_on_strided_rows(ops):
+    """bf16 weights and activations, x a column slice of a wider buffer (as attention's output
+    rows can be): the kernel (float32 inside, one rounding) stays within bf16 of the oracle."""
+    batch, weights = _stacked(torch.bfloat16, ops)
+    slots = torch.tensor([0, -1, 1, 2, 3, 0, 2, 1] * 5)
+    x = torch.randn(len(slots), 64, dtype=torch.bfloat16)[:, 8:48]
+    _check_paths(batch, weights, slots, x, torch.tensor([2.0, 0.5, 1.5, 1.0]), rtol=2e-2, atol=0.3)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])

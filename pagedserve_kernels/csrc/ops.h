@@ -129,4 +129,9 @@ at::Tensor decode_layers_mixed(
     const at::Tensor& suffix_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     double eps, double scale, bool batch_invariant);
 
+// lora.cpp
+void lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a_all,
+              const at::Tensor& bt_all, const at::Tensor& token_slots,
+              const at::Tensor& slot_scaling, at::IntArrayRef part_sizes, int64_t max_rank);
+
 }  // namespace pagedserve_cpu

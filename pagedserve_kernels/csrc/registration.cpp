@@ -46,6 +46,8 @@
 //   decode_layers.cpp
 //     decode_layers            one decode step through every decoder layer
 //     decode_layers_mixed      the same, each linear AMX-packed bf16 or GGUF-packed parts
+//   lora.cpp
+//     lora_add                 a linear's batched LoRA adapters added to its output, in place
 // A new kernel family is one more .cpp here (declared in ops.h) and its m.def lines below.
 #include <torch/library.h>
 
@@ -96,4 +98,5 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("set_gguf_portable", &set_gguf_portable);
   m.def("gguf_gemm", &gguf_gemm);
   m.def("gguf_gemm_available", &gguf_gemm_available);
+  m.def("lora_add", &lora_add);
 }

@@ -1,0 +1,82 @@
+"""One decode step of the default model with LoRA adapters in the batch, against base only.
+
+    python bench/micro/lora_decode.py [--concurrency 8 32] [--adapters 0 1 4] [--rounds 5]
+
+Per concurrency c, one engine per arm (--enable-lora, --max-loras 4, rank --rank on all seven
+targets q/k/v/o/gate/up/down, random weights in PEFT's layout as bench/lora.py writes them):
+c requests of a short prompt, decoding with ignore_eos; once all decode, the arms' engine.step()
+calls run interleaved (harness.ab_rounds) and each keeps its best round. Prints the step time
+and its ratio to the base-only arm (whose batch runs the fused decode step, as in serving).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+from harness import ab_rounds, ratio_table
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_loader.loader import resolve_model
+from engine.sampling_params import SamplingParams
+
+
+def _write_adapter():
+    """bench/lora.py's write_adapter (the bench scripts import only harness by name)."""
+    path = Path(__file__).resolve().parents[1] / "lora.py"
+    spec = importlib.util.spec_from_file_location("bench_lora", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.write_adapter
+
+
+def decoding_engine(c: int, n_adapters: int, mods, args, rng) -> LLMEngine:
+    engine = LLMEngine(
+        EngineConfig(
+            dtype=args.dtype, max_num_seqs=c, max_model_len=1024, enable_lora=True,
+            lora_modules=mods, max_loras=4, max_lora_rank=args.rank, max_cpu_loras=4,
+        )
+    )  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+    for i in range(c):
+        prompt = [rng.randrange(100, 40000) for _ in range(16)]
+        name = None if n_adapters == 0 else f"a{i % n_adapters}"
+        engine.add_request(f"r{i}", prompt, params, lora_name=name)
+    for _ in range(4):  # prefill, then a few decode steps
+        engine.step()
+    return engine
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 4])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--budget", type=float, default=0.3, help="seconds per arm per round")
+    args = p.parse_args()
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(resolve_model(None))
+    tmp = Path(tempfile.mkdtemp(prefix="lora-micro-"))
+    write = _write_adapter()
+    mods = tuple(f"a{i}={write(tmp / f'a{i}', cfg, args.rank, i)}" for i in range(4))
+    rng = random.Random(0)
+    for c in args.concurrency:
+        engines = {n: decoding_engine(c, n, mods, args, rng) for n in args.adapters}
+        arms = {("base" if n == 0 else f"{n} adapter(s)"): e.step for n, e in engines.items()}
+        best = ab_rounds(arms, args.rounds, budget_s=args.budget)
+        print(f"c={c}, {args.dtype}, rank {args.rank}, decode step:", flush=True)
+        ratio_table(best.items(), ratio="x base")
+        del engines, arms
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
