@@ -1,6 +1,7 @@
 """One decode step of the default model with LoRA adapters in the batch, against base only.
 
     python bench/micro/lora_decode.py [--concurrency 8 32] [--adapters 0 1 4] [--rounds 5]
+    OMP_NUM_THREADS=1 python bench/micro/lora_decode.py --clock cpu   # on a busy machine
 
 Per concurrency c, one engine per arm (--enable-lora, --max-loras 4, rank --rank on all seven
 targets q/k/v/o/gate/up/down, random weights in PEFT's layout as bench/lora.py writes them):
@@ -18,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness import ab_rounds, ratio_table
+from harness import CLOCKS, ab_rounds, add_clock_arg, ratio_table
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -60,6 +61,7 @@ def main() -> None:
     p.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 4])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--budget", type=float, default=0.3, help="seconds per arm per round")
+    add_clock_arg(p)
     args = p.parse_args()
     from transformers import AutoConfig
 
@@ -71,7 +73,7 @@ def main() -> None:
     for c in args.concurrency:
         engines = {n: decoding_engine(c, n, mods, args, rng) for n in args.adapters}
         arms = {("base" if n == 0 else f"{n} adapter(s)"): e.step for n, e in engines.items()}
-        best = ab_rounds(arms, args.rounds, budget_s=args.budget)
+        best = ab_rounds(arms, args.rounds, budget_s=args.budget, clock=CLOCKS[args.clock])
         print(f"c={c}, {args.dtype}, rank {args.rank}, decode step:", flush=True)
         ratio_table(best.items(), ratio="x base")
         del engines, arms
