@@ -295,25 +295,33 @@ def test_lora_kernel_in_bf16_and_on_strided_rows(ops):
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_packed_linears_take_adapters_and_base_batches_keep_the_fused_step(
+def test_packed_linears_take_adapters_and_the_fused_step_too(
     tiny_model_dir, adapters, ops, quantization
 ):
-    """bf16 packed (or int8) linears: an adapter's batch runs the per-layer path with the
-    adapter added; a base-only batch still runs the fused decode step."""
+    """bf16 packed (or int8) linears: an adapter's decode steps run the fused decode step with
+    the adapters added (decode_layers_lora), the same tokens as the per-layer path; int8 (no
+    fused step) runs layer by layer."""
     engine = make_engine(
         tiny_model_dir, {"attn": adapters["all-rs"]}, dtype="bfloat16", quantization=quantization
     )
     runner = engine.runner
     calls = []
+    fused = runner.fused_decode
     if quantization is None:  # int8 has no fused decode step
-        fused_run = runner.fused_decode.run
-        runner.fused_decode.run = lambda *a, **k: (calls.append(1), fused_run(*a, **k))[1]
-    prompt = make_prompts(1, seed=3, min_len=10, max_len=10)[0]
-    (base,), _ = run(engine, [(prompt, None)])
-    assert len(calls) == (MAX_NEW - 1 if quantization is None else 0)  # every decode step
+        fused_run = fused.run
+        runner.fused_decode.run = lambda *a, **k: (calls.append(k.get("lora")), fused_run(*a, **k))[1]
+    prompts = make_prompts(2, seed=3, min_len=10, max_len=12)
+    base, _ = run(engine, [(p, None) for p in prompts])
+    assert calls == ([None] * (MAX_NEW - 1) if quantization is None else [])  # decode steps
     calls.clear()
-    (tuned,), _ = run(engine, [(prompt, "attn")])
-    assert not calls and tuned != base
+    jobs = [(prompts[0], "attn"), (prompts[1], None)]  # an adapter and the base in one batch
+    tuned, _ = run(engine, jobs)
+    assert tuned[0] != base[0] and tuned[1] == base[1]
+    if quantization is None:
+        assert len(calls) == MAX_NEW - 1 and all(lora is not None for lora in calls)
+        runner.fused_decode = None  # the per-layer path: the same tokens
+        assert run(engine, jobs)[0] == tuned
+        runner.fused_decode = fused
 
 
 def test_max_loras_bounds_each_step_and_preemption_keeps_peft_tokens(tiny_model_dir, adapters):

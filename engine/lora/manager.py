@@ -134,8 +134,8 @@ class LoRAManager:
         if not self._logged_fallback:
             self._logged_fallback = True
             logger.info(
-                "LoRA: batches with adapters run the per-layer path; the fused decode step and "
-                "CUDA graphs serve base-only batches"
+                "LoRA: batches with adapters run the fused decode step where the CPU kernels "
+                "take adapters (decode_layers_lora), else the per-layer path; no CUDA graphs"
             )
         slot_of = self._assign_slots(distinct, requests, keys)
         per_req = np.fromiter((slot_of.get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
@@ -143,6 +143,22 @@ class LoRAManager:
         token_slots = torch.from_numpy(np.repeat(per_req, counts)).to(self.device)
         self.batch.set(token_slots, self.slot_scaling, int(per_req.max()) + 1)
         return True
+
+    def fused_step(self, fused):
+        """The fused decode step with this step's adapters added after every projection, where
+        the backend's step takes them (the CPU kernels' decode_layers_lora); else None: the
+        per-layer path."""
+        return None if fused is None else _FusedWithLoRA(fused, self)
+
+    def step_tensors(self) -> tuple:
+        """decode_layers_lora's adapter arguments for the current step."""
+        tensors = []
+        for linears in self.layers:
+            for name in _PARTS:
+                w = linears[name]
+                tensors += [w.a_all, w.bt_all]
+        b = self.batch
+        return tensors, b.token_slots, b.slot_scaling, b.max_rank
 
     def _assign_slots(self, distinct: list[str], requests, keys) -> dict[str, int]:
         if len(distinct) > len(self.slots):
@@ -181,3 +197,19 @@ class LoRAManager:
         pad = torch.zeros(extra, dtype=self.slot_scaling.dtype, device=self.device)
         self.slot_scaling = torch.cat([self.slot_scaling, pad])
         self.batch.num_slots = num_slots
+
+
+class _FusedWithLoRA:
+    """engine/runner/fused_decode.py's FusedDecode for a step with adapters: it runs where the
+    step supports them and every layer has all four projections adapted."""
+
+    def __init__(self, fused, manager: LoRAManager) -> None:
+        self.fused, self.manager = fused, manager
+
+    def can_run(self, meta) -> bool:
+        full = all(len(linears) == len(_PARTS) for linears in self.manager.layers)
+        return full and self.fused.supports_lora(meta)
+
+    def run(self, input_ids, positions, meta, kv_caches):
+        lora = self.manager.step_tensors()
+        return self.fused.run(input_ids, positions, meta, kv_caches, lora=lora)
