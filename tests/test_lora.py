@@ -22,7 +22,9 @@ ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 
 
-def build_adapter(base_dir: Path, out: Path, seed: int, r: int, targets, **cfg) -> Path:
+def build_adapter(
+    base_dir: Path, out: Path, seed: int, r: int, targets, std: float = 0.3, **cfg
+) -> Path:
     """A PEFT adapter with random A and B (PEFT's init leaves B zero: no effect), saved."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -34,7 +36,7 @@ def build_adapter(base_dir: Path, out: Path, seed: int, r: int, targets, **cfg) 
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
     model.save_pretrained(out)
     return out
 
@@ -309,7 +311,11 @@ def test_packed_linears_take_adapters_and_the_fused_step_too(
     fused = runner.fused_decode
     if quantization is None:  # int8 has no fused decode step
         fused_run = fused.run
-        runner.fused_decode.run = lambda *a, **k: (calls.append(k.get("lora")), fused_run(*a, **k))[1]
+        def spy(*a, **k):
+            calls.append(k.get("lora"))
+            return fused_run(*a, **k)
+
+        runner.fused_decode.run = spy
     prompts = make_prompts(2, seed=3, min_len=10, max_len=12)
     base, _ = run(engine, [(p, None) for p in prompts])
     assert calls == ([None] * (MAX_NEW - 1) if quantization is None else [])  # decode steps
@@ -400,3 +406,34 @@ def test_offline_llm_takes_vllm_style_lora_requests(tiny_model_dir, adapters):
     )
     (again,) = llm.generate([prompt], params, use_tqdm=False, lora_request="mlp")
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_default_model_with_random_adapters_matches_peft(tmp_path):
+    """The real default model (float32) with two random rank-16 adapters on all seven targets
+    and the base in one batch: the greedy tokens equal PEFT's."""
+    from engine import LLM
+    from engine.model_loader.loader import resolve_model
+
+    base_dir = resolve_model(None)
+    paths = {
+        f"r{seed}": build_adapter(base_dir, tmp_path / f"r{seed}", seed, 16, ATTN + MLP, std=0.05)
+        for seed in (1, 2)
+    }
+    mods = tuple(f"{name}={path}" for name, path in paths.items())
+    llm = LLM(None, dtype="float32", enable_lora=True, lora_modules=mods, max_loras=2)
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine = llm.engine
+    jobs = [(p, name) for name in (None, "r1", "r2") for p in prompts]
+    for i, (prompt, name) in enumerate(jobs):
+        engine.add_request(str(i), prompt, params, lora_name=name)
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step()[0]:
+            got.setdefault(int(out.request_id), []).extend(out.outputs[0].token_ids)
+    for name in (None, "r1", "r2"):
+        expected = peft_greedy(base_dir, paths.get(name), prompts, 12)
+        assert [got[i] for i, job in enumerate(jobs) if job[1] == name] == expected, name
+    assert got[2] != got[0]  # the adapter changes the tokens
