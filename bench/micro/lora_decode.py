@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 python bench/micro/lora_decode.py --clock cpu   # on a busy machine
 
 Per concurrency c, one engine per arm (--enable-lora, --max-loras 4, rank --rank on all seven
-targets q/k/v/o/gate/up/down, random weights in PEFT's layout as bench/lora.py writes them):
+targets q/k/v/o/gate/up/down, random weights in PEFT's layout):
 c requests of a short prompt, decoding with ignore_eos; once all decode, the arms' engine.step()
 calls run interleaved (harness.ab_rounds) and each keeps its best round. Prints the step time
 and its ratio to the base-only arm (whose batch runs the fused decode step, as in serving).
@@ -13,27 +13,47 @@ and its ratio to the base-only arm (whose batch runs the fused decode step, as i
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import json
 import random
-import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from harness import CLOCKS, ab_rounds, add_clock_arg, ratio_table
+from safetensors.torch import save_file
+from transformers import AutoConfig
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader.loader import resolve_model
 from engine.sampling_params import SamplingParams
 
+TARGETS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+           "mlp": ("gate_proj", "up_proj", "down_proj")}
 
-def _write_adapter():
-    """bench/lora.py's write_adapter (the bench scripts import only harness by name)."""
-    path = Path(__file__).resolve().parents[1] / "lora.py"
-    spec = importlib.util.spec_from_file_location("bench_lora", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.write_adapter
+
+def write_adapter(folder: Path, cfg, rank: int, seed: int) -> str:
+    """A random PEFT adapter (rank `rank` on all seven targets) for the model of HF config cfg."""
+    h = cfg.hidden_size
+    d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv, inter = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for part, names in TARGETS.items():
+            for name in names:
+                n_in, n_out = shapes[name]
+                key = f"base_model.model.model.layers.{layer}.{part}.{name}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) * 0.02
+                tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * 0.02
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    targets = [n for names in TARGETS.values() for n in names]
+    config = {"r": rank, "lora_alpha": 2 * rank, "target_modules": targets, "peft_type": "LORA"}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return str(folder)
 
 
 def decoding_engine(c: int, n_adapters: int, mods, args, rng) -> LLMEngine:
@@ -63,12 +83,9 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=0.3, help="seconds per arm per round")
     add_clock_arg(p)
     args = p.parse_args()
-    from transformers import AutoConfig
-
     cfg = AutoConfig.from_pretrained(resolve_model(None))
     tmp = Path(tempfile.mkdtemp(prefix="lora-micro-"))
-    write = _write_adapter()
-    mods = tuple(f"a{i}={write(tmp / f'a{i}', cfg, args.rank, i)}" for i in range(4))
+    mods = tuple(f"a{i}={write_adapter(tmp / f'a{i}', cfg, args.rank, i)}" for i in range(4))
     rng = random.Random(0)
     for c in args.concurrency:
         engines = {n: decoding_engine(c, n, mods, args, rng) for n in args.adapters}
@@ -77,7 +94,6 @@ def main() -> None:
         print(f"c={c}, {args.dtype}, rank {args.rank}, decode step:", flush=True)
         ratio_table(best.items(), ratio="x base")
         del engines, arms
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":
