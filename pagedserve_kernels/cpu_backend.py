@@ -199,7 +199,15 @@ class CpuFusedDecode(FusedDecodeStep):
     def can_run(self, meta: AttentionMetadata) -> bool:
         return meta.is_decode_only and meta.num_seqs <= FUSED_DECODE_MAX_ROWS
 
-    def __call__(self, x, positions, cos_sin, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+    @property
+    def supports_lora(self) -> bool:
+        return hasattr(self.backend.ops, "decode_layers_lora")
+
+    def __call__(
+        self, x, positions, cos_sin, meta: AttentionMetadata, kv_caches, lora=None
+    ) -> torch.Tensor:
+        """lora: (per layer a, bt of qkv, o, gate_up, down; token slots; slot scalings; max
+        rank), the step's adapters (engine/layers/lora.py), or None."""
         s = self.stack
         plan = self.backend.cascade_plan(
             s.num_heads, x.dtype, kv_caches[0][0], meta.block_table, meta.seq_lens,
@@ -217,14 +225,17 @@ class CpuFusedDecode(FusedDecodeStep):
             prefix_blocks, suffix_table, suffix_lens, s.num_heads, s.num_kv_heads, s.head_dim,
             s.eps, s.scale, invariant,
         )
-        if self.mixed is None:
+        if self.mixed is None and lora is None:
             return self.backend.ops.decode_layers(
                 x, positions, cos_sin, s.layer_weights, caches, *rest
             )
+        if self.mixed is None:  # adapters: the mixed step, each projection AMX-packed
+            self.mixed = mixed_layout(s.layer_weights)
         weights, spec = self.mixed
-        return self.backend.ops.decode_layers_mixed(
-            x, positions, cos_sin, weights, spec, s.qkv_bias, s.qk_norm, caches, *rest
-        )
+        args = (x, positions, cos_sin, weights, spec, s.qkv_bias, s.qk_norm, caches, *rest)
+        if lora is not None:
+            return self.backend.ops.decode_layers_lora(*args, *lora)
+        return self.backend.ops.decode_layers_mixed(*args)
 
 
 def mixed_layout(layer_weights: list) -> tuple[list[torch.Tensor], torch.Tensor]:

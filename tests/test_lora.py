@@ -22,7 +22,9 @@ ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 
 
-def build_adapter(base_dir: Path, out: Path, seed: int, r: int, targets, **cfg) -> Path:
+def build_adapter(
+    base_dir: Path, out: Path, seed: int, r: int, targets, std: float = 0.3, **cfg
+) -> Path:
     """A PEFT adapter with random A and B (PEFT's init leaves B zero: no effect), saved."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -34,7 +36,7 @@ def build_adapter(base_dir: Path, out: Path, seed: int, r: int, targets, **cfg) 
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
     model.save_pretrained(out)
     return out
 
@@ -130,6 +132,40 @@ def test_reload_under_the_same_name_changes_output_and_misses_the_cache(
     assert second == peft_greedy(tiny_model_dir, adapters["qv"], [prompt], MAX_NEW)[0]
 
 
+def test_unloaded_adapter_whose_folder_is_gone_and_slot_reused_finishes_its_requests(
+    tiny_model_dir, adapters, tmp_path
+):
+    """Unload an adapter mid-request, delete its folder, let another adapter take its only
+    slot: the running request still finishes on its own weights (never re-read from disk)."""
+    from types import SimpleNamespace
+
+    prompt = make_prompts(1, seed=9, min_len=10, max_len=10)[0]
+    gone = shutil.copytree(adapters["attn"], tmp_path / "gone")
+    engine = make_engine(
+        tiny_model_dir, {"gone": gone, "mlp": adapters["mlp"]}, max_loras=1, max_cpu_loras=1
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    engine.add_request("0", prompt, params, lora_name="gone")
+    tokens = [t for out in engine.step()[0] for t in out.outputs[0].token_ids]  # prefill
+    engine.lora_registry.unload("gone")
+    shutil.rmtree(gone)
+    other = engine.lora_registry.get("mlp")
+    lora = engine.runner.lora
+    lora.prepare([SimpleNamespace(lora_request=other)], [1])  # a step of "mlp" takes the slot
+    assert lora.slots == [other.content_hash]
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step()[0] for t in out.outputs[0].token_ids]
+    assert tokens == peft_greedy(tiny_model_dir, adapters["attn"], [prompt], MAX_NEW)[0]
+    with pytest.raises(ValueError, match="`gone` does not exist"):
+        engine.add_request("1", prompt, params, lora_name="gone")
+    (tuned,), _ = run(engine, [(prompt, "mlp")])  # the slot serves the other adapter again
+    assert tuned == peft_greedy(tiny_model_dir, adapters["mlp"], [prompt], MAX_NEW)[0]
+    import gc
+
+    gc.collect()
+    assert not lora.retired  # the last request under it finished: its weights are dropped
+
+
 def test_unknown_adapter_is_refused(tiny_model_dir, adapters):
     engine = make_engine(tiny_model_dir, {"attn": adapters["attn"]})
     params = SamplingParams(temperature=0.0, max_tokens=2)
@@ -204,52 +240,94 @@ def test_lora_module_forms():
         EngineConfig(model="x", enable_lora=True, max_loras=2, max_cpu_loras=1)
 
 
-def test_stacked_gemms_equal_the_per_token_gather_oracle():
-    from engine.layers.lora import LoRABatch, LoRALinearWeights, lora_delta_native
+def _stacked(dtype, ops=None):
+    from engine.layers.lora import LoRABatch, LoRALinearWeights
 
     torch.manual_seed(0)
-    batch = LoRABatch(num_slots=3, max_rank=8, dtype=torch.float32, device="cpu")
-    weights = LoRALinearWeights(16, [12, 6, 6], batch, torch.float32, "cpu")
+    batch = LoRABatch(num_slots=3, max_rank=8, dtype=dtype, device="cpu", ops=ops)
+    weights = LoRALinearWeights(40, [36, 6, 18], batch, dtype, "cpu")
     for slot, rank in enumerate((8, 3, 5)):
-        parts = [(torch.randn(rank, 16), torch.randn(n, rank)) for n in (12, 6, 6)]
+        parts = [(torch.randn(rank, 40), torch.randn(n, rank)) for n in (36, 6, 18)]
         parts[1 + slot % 2] = None  # a part the adapter does not target
         weights.set_slot(slot, parts)
     weights.grow(1)  # a fourth, empty slot
     batch.num_slots = 4
+    return batch, weights
+
+
+def _check_paths(batch, weights, slots, x, scaling, **tol):
+    """The batched path (kernel or torch) adds the oracle's delta to the base output."""
+    from engine.layers.lora import lora_delta_native
+
+    batch.set(slots, scaling)
+    y = torch.randn(len(slots), weights.out_features, dtype=x.dtype)
+    ref = y.float() + lora_delta_native(weights, x).float()
+    got = weights.add_to(y.clone(), x)
+    torch.testing.assert_close(got.float(), ref, **tol)
+    return got - y
+
+
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+def test_stacked_gemms_equal_the_per_token_gather_oracle(path, request):
+    ops = request.getfixturevalue("ops") if path == "kernel" else None
+    batch, weights = _stacked(torch.float32, ops)
+    scaling = torch.tensor([2.0, 0.5, 1.5, 1.0])
     slots = torch.tensor([-1, 0, 2, 1, 1, -1, 3, 0, 2])
-    batch.set(slots, torch.tensor([2.0, 0.5, 1.5, 1.0]))
-    x = torch.randn(len(slots), 16)
-    got, ref = weights.delta(x), lora_delta_native(weights, x)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    assert got[0].abs().max() == 0 and got[6].abs().max() == 0  # base tokens, an empty slot
-    assert got[1].abs().max() > 0
+    x = torch.randn(len(slots), 40)
+    tol = {"rtol": 1e-5, "atol": 1e-5}
+    delta = _check_paths(batch, weights, slots, x, scaling, **tol)
+    assert delta[0].abs().max() == 0 and delta[6].abs().max() == 0  # base tokens, an empty slot
+    assert delta[1].abs().max() > 0
     low = torch.tensor([1, -1, 0, 1])  # slots 2 and 3 idle: the GEMMs take slots 0..1 only
-    batch.set(low, torch.tensor([2.0, 0.5, 1.5, 1.0]), num_active=2)
-    torch.testing.assert_close(
-        weights.delta(x[:4]), lora_delta_native(weights, x[:4]), rtol=1e-5, atol=1e-5
-    )
+    _check_paths(batch, weights, low, x[:4], scaling, **tol)
+    one = torch.tensor([-1, 0, 0, -1, 0])  # one adapter and base tokens: only its rows
+    delta = _check_paths(batch, weights, one, x[:5], scaling, **tol)
+    assert delta[0].abs().max() == 0 and delta[1].abs().max() > 0
+    assert (batch.rows is not None) == (path == "torch")
+    _check_paths(batch, weights, torch.tensor([2, 2]), x[:2], scaling, **tol)  # all one slot
+
+
+def test_lora_kernel_in_bf16_and_on_strided_rows(ops):
+    """bf16 weights and activations, x a column slice of a wider buffer (as attention's output
+    rows can be): the kernel (float32 inside, one rounding) stays within bf16 of the oracle."""
+    batch, weights = _stacked(torch.bfloat16, ops)
+    slots = torch.tensor([0, -1, 1, 2, 3, 0, 2, 1] * 5)
+    x = torch.randn(len(slots), 64, dtype=torch.bfloat16)[:, 8:48]
+    _check_paths(batch, weights, slots, x, torch.tensor([2.0, 0.5, 1.5, 1.0]), rtol=2e-2, atol=0.3)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_packed_linears_take_adapters_and_base_batches_keep_the_fused_step(
+def test_packed_linears_take_adapters_and_the_fused_step_too(
     tiny_model_dir, adapters, ops, quantization
 ):
-    """bf16 packed (or int8) linears: an adapter's batch runs the per-layer path with the
-    adapter added; a base-only batch still runs the fused decode step."""
+    """bf16 packed (or int8) linears: an adapter's decode steps run the fused decode step with
+    the adapters added (decode_layers_lora), the same tokens as the per-layer path; int8 (no
+    fused step) runs layer by layer."""
     engine = make_engine(
         tiny_model_dir, {"attn": adapters["all-rs"]}, dtype="bfloat16", quantization=quantization
     )
     runner = engine.runner
     calls = []
+    fused = runner.fused_decode
     if quantization is None:  # int8 has no fused decode step
-        fused_run = runner.fused_decode.run
-        runner.fused_decode.run = lambda *a, **k: (calls.append(1), fused_run(*a, **k))[1]
-    prompt = make_prompts(1, seed=3, min_len=10, max_len=10)[0]
-    (base,), _ = run(engine, [(prompt, None)])
-    assert len(calls) == (MAX_NEW - 1 if quantization is None else 0)  # every decode step
+        fused_run = fused.run
+        def spy(*a, **k):
+            calls.append(k.get("lora"))
+            return fused_run(*a, **k)
+
+        runner.fused_decode.run = spy
+    prompts = make_prompts(2, seed=3, min_len=10, max_len=12)
+    base, _ = run(engine, [(p, None) for p in prompts])
+    assert calls == ([None] * (MAX_NEW - 1) if quantization is None else [])  # decode steps
     calls.clear()
-    (tuned,), _ = run(engine, [(prompt, "attn")])
-    assert not calls and tuned != base
+    jobs = [(prompts[0], "attn"), (prompts[1], None)]  # an adapter and the base in one batch
+    tuned, _ = run(engine, jobs)
+    assert tuned[0] != base[0] and tuned[1] == base[1]
+    if quantization is None:
+        assert len(calls) == MAX_NEW - 1 and all(lora is not None for lora in calls)
+        runner.fused_decode = None  # the per-layer path: the same tokens
+        assert run(engine, jobs)[0] == tuned
+        runner.fused_decode = fused
 
 
 def test_max_loras_bounds_each_step_and_preemption_keeps_peft_tokens(tiny_model_dir, adapters):
@@ -328,3 +406,34 @@ def test_offline_llm_takes_vllm_style_lora_requests(tiny_model_dir, adapters):
     )
     (again,) = llm.generate([prompt], params, use_tqdm=False, lora_request="mlp")
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_default_model_with_random_adapters_matches_peft(tmp_path):
+    """The real default model (float32) with two random rank-16 adapters on all seven targets
+    and the base in one batch: the greedy tokens equal PEFT's."""
+    from engine import LLM
+    from engine.model_loader.loader import resolve_model
+
+    base_dir = resolve_model(None)
+    paths = {
+        f"r{seed}": build_adapter(base_dir, tmp_path / f"r{seed}", seed, 16, ATTN + MLP, std=0.05)
+        for seed in (1, 2)
+    }
+    mods = tuple(f"{name}={path}" for name, path in paths.items())
+    llm = LLM(None, dtype="float32", enable_lora=True, lora_modules=mods, max_loras=2)
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine = llm.engine
+    jobs = [(p, name) for name in (None, "r1", "r2") for p in prompts]
+    for i, (prompt, name) in enumerate(jobs):
+        engine.add_request(str(i), prompt, params, lora_name=name)
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step()[0]:
+            got.setdefault(int(out.request_id), []).extend(out.outputs[0].token_ids)
+    for name in (None, "r1", "r2"):
+        expected = peft_greedy(base_dir, paths.get(name), prompts, 12)
+        assert [got[i] for i, job in enumerate(jobs) if job[1] == name] == expected, name
+    assert got[2] != got[0]  # the adapter changes the tokens

@@ -681,3 +681,44 @@ def test_a_model_without_a_chat_template_opens_in_raw_completion(context, templa
     page.wait_for_selector(".msg.completion[data-state=done]", timeout=WAIT_MS)
     shot(page, "11-no-chat-template-raw-completion")
     log.assert_clean()
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_model_dir, tmp_path_factory):
+    from test_lora import ATTN, build_adapter
+
+    root = tmp_path_factory.mktemp("playground-loras")
+    attn = build_adapter(tiny_model_dir, root / "attn", 21, 8, ATTN, lora_alpha=16)
+    server = ServerProcess(
+        str(tiny_model_dir), "--dtype", "float32", "--served-model-name", "tiny",
+        "--api-key", API_KEY, "--enable-lora", "--lora-modules", f"attn={attn}",
+    )  # fmt: skip
+    yield server.wait_ready()
+    server.stop()
+
+
+def test_the_model_picker_lists_adapters_and_a_chat_goes_with_the_pick(
+    context, lora_server, server
+):
+    page, log = open_playground(context, lora_server)
+    page.wait_for_selector("#model-label:not([hidden])", timeout=WAIT_MS)
+    options = page.eval_on_selector_all("#model option", "os => os.map(o => [o.value, o.text])")
+    assert options == [["tiny", "tiny"], ["attn", "attn (LoRA adapter of tiny)"]]
+    assert page.input_value("#model") == "tiny"
+    models = []
+
+    def on_request(req) -> None:
+        if req.url.endswith("/v1/chat/completions"):
+            models.append(req.post_data_json["model"])
+
+    page.on("request", on_request)
+    page.select_option("#model", "attn")
+    send_chat(page, "Hello.", max_tokens=4)
+    page.wait_for_selector(".msg.assistant[data-state=done]", timeout=WAIT_MS)
+    assert models == ["attn"]
+    assert "4 tokens" in page.inner_text(".msg.assistant .stats")
+    shot(page, "lora-picker")
+    log.assert_clean()
+    plain, _ = open_playground(context, server)  # one model: no picker
+    plain.wait_for_function("document.querySelector('#model-name').textContent.includes('tiny')")
+    assert plain.is_hidden("#model-label")

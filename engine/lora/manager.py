@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import OrderedDict
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -18,7 +20,8 @@ from torch import nn
 
 from engine.layers.lora import LoRABatch, LoRALinearWeights, wrap_lora
 from engine.lora.adapter import BaseShapes, LoRAAdapter, load_adapter
-from engine.lora.request import LoRARequest
+from engine.lora.request import LoRAError, LoRARequest
+from pagedserve_kernels.cpu_ops import load_cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,10 @@ class LoRAManager:
     def __init__(self, model: nn.Module, config, dtype, device) -> None:
         self.max_rank = config.max_lora_rank
         self.max_cpu_loras = config.max_cpu_loras or config.max_loras
-        self.batch = LoRABatch(config.max_loras, self.max_rank, dtype, device)
+        ops = load_cpu_ops() if torch.device(device).type == "cpu" else None
+        if ops is not None and not hasattr(ops, "lora_add"):
+            ops = None  # a kernel build older than lora.cpp
+        self.batch = LoRABatch(config.max_loras, self.max_rank, dtype, device, ops)
         self.device = device
         self.layers: list[dict[str, LoRALinearWeights]] = []
         modules: dict[str, tuple[int, int]] = {}
@@ -71,6 +77,11 @@ class LoRAManager:
             layer_modules.append(frozenset(hf for name in found for hf in _PARTS[name]))
         self.shapes = BaseShapes(modules, layer_modules)
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # content hash -> adapter
+        # unloaded (or replaced in place) adapters, kept while a request still holds their
+        # LoRARequest: their folder may be gone by the time a step needs them again
+        self.retired: weakref.WeakKeyDictionary[LoRARequest, LoRAAdapter] = (
+            weakref.WeakKeyDictionary()
+        )
         self._lock = threading.Lock()  # load/unload come from the server's threads
         self.slots: list[str | None] = [None] * config.max_loras
         self.slot_scaling = torch.zeros(config.max_loras, dtype=torch.float32, device=device)
@@ -84,6 +95,8 @@ class LoRAManager:
         key = request.content_hash
         with self._lock:
             adapter = self.loaded.get(key)
+            if adapter is None and request in self.retired:
+                return self.retired[request]  # unloaded: its requests finish on these weights
         if adapter is None:
             adapter = load_adapter(request, self.shapes, self.max_rank)
         with self._lock:
@@ -95,9 +108,19 @@ class LoRAManager:
             return self.loaded[key]
 
     def remove(self, request: LoRARequest) -> None:
-        """Drops the loaded copy; a slot holding it keeps serving requests already running."""
+        """Drops the loaded copy. The requests already running under it keep its weights (held
+        on their LoRARequest until the last one finishes), so they never need its folder
+        again: it may be deleted, its slot reused, and they still finish on their adapter."""
         with self._lock:
-            self.loaded.pop(request.content_hash, None)
+            adapter = self.loaded.pop(request.content_hash, None)
+        if adapter is None:  # evicted (--max-cpu-loras): read it now, while the folder exists
+            try:
+                adapter = load_adapter(request, self.shapes, self.max_rank)
+            except LoRAError as e:
+                logger.warning("LoRA: unloaded adapter %s unreadable (%s)", request.name, e)
+                return
+        with self._lock:  # the value holds an equal copy of the key, not the key itself
+            self.retired[request] = replace(adapter, request=replace(request))
 
     # ---- one step ----------------------------------------------------------------------------
     def prepare(self, requests, num_scheduled_tokens) -> bool:
@@ -111,8 +134,8 @@ class LoRAManager:
         if not self._logged_fallback:
             self._logged_fallback = True
             logger.info(
-                "LoRA: batches with adapters run the per-layer path; the fused decode step and "
-                "CUDA graphs serve base-only batches"
+                "LoRA: batches with adapters run the fused decode step where the CPU kernels "
+                "take adapters (decode_layers_lora), else the per-layer path; no CUDA graphs"
             )
         slot_of = self._assign_slots(distinct, requests, keys)
         per_req = np.fromiter((slot_of.get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
@@ -120,6 +143,22 @@ class LoRAManager:
         token_slots = torch.from_numpy(np.repeat(per_req, counts)).to(self.device)
         self.batch.set(token_slots, self.slot_scaling, int(per_req.max()) + 1)
         return True
+
+    def fused_step(self, fused):
+        """The fused decode step with this step's adapters added after every projection, where
+        the backend's step takes them (the CPU kernels' decode_layers_lora); else None: the
+        per-layer path."""
+        return None if fused is None else _FusedWithLoRA(fused, self)
+
+    def step_tensors(self) -> tuple:
+        """decode_layers_lora's adapter arguments for the current step."""
+        tensors = []
+        for linears in self.layers:
+            for name in _PARTS:
+                w = linears[name]
+                tensors += [w.a_all, w.bt_all]
+        b = self.batch
+        return tensors, b.token_slots, b.slot_scaling, b.max_rank
 
     def _assign_slots(self, distinct: list[str], requests, keys) -> dict[str, int]:
         if len(distinct) > len(self.slots):
@@ -158,3 +197,19 @@ class LoRAManager:
         pad = torch.zeros(extra, dtype=self.slot_scaling.dtype, device=self.device)
         self.slot_scaling = torch.cat([self.slot_scaling, pad])
         self.batch.num_slots = num_slots
+
+
+class _FusedWithLoRA:
+    """engine/runner/fused_decode.py's FusedDecode for a step with adapters: it runs where the
+    step supports them and every layer has all four projections adapted."""
+
+    def __init__(self, fused, manager: LoRAManager) -> None:
+        self.fused, self.manager = fused, manager
+
+    def can_run(self, meta) -> bool:
+        full = all(len(linears) == len(_PARTS) for linears in self.manager.layers)
+        return full and self.fused.supports_lora(meta)
+
+    def run(self, input_ids, positions, meta, kv_caches):
+        lora = self.manager.step_tensors()
+        return self.fused.run(input_ids, positions, meta, kv_caches, lora=lora)

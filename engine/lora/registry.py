@@ -44,7 +44,10 @@ class LoRARegistry:
             )
         request = LoRARequest(name, next(self._ids), str(path), content_hash(path), base_model_name)
         self.executor.add_lora(request)  # reads and checks it against the base model
+        old = self.adapters.get(name)
         self.adapters[name] = request
+        if old is not None and old.content_hash != request.content_hash:
+            self.executor.remove_lora(old)  # its running requests keep the old weights
         logger.info("LoRA adapter %s loaded from %s (%s)", name, path, request.content_hash[:12])
         return request
 

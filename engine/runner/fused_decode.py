@@ -77,10 +77,18 @@ class FusedDecode:
         step = self._step(meta)
         return step is not None and step.can_run(meta)
 
-    def run(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+    def run(
+        self, input_ids, positions, meta: AttentionMetadata, kv_caches, lora=None
+    ) -> torch.Tensor:
+        """lora: the step's adapters for a step that supports_lora (engine/lora/manager.py)."""
         x = self.model.model.embed_tokens(input_ids)  # [num_seqs, hidden]
         cos_sin = self.model.rotary.cos_sin_cache(meta.max_seq_len, x.dtype)
-        return self._step(meta)(x, positions, cos_sin, meta, kv_caches)
+        if lora is None:
+            return self._step(meta)(x, positions, cos_sin, meta, kv_caches)
+        return self._step(meta)(x, positions, cos_sin, meta, kv_caches, lora=lora)
+
+    def supports_lora(self, meta: AttentionMetadata) -> bool:
+        return self.can_run(meta) and getattr(self._step(meta), "supports_lora", False)
 
 
 def _packed_max_rows(model: nn.Module) -> int | None:

@@ -316,7 +316,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         fused = self.fused_decode
         if self.lora is not None and self.lora.prepare(out.requests, out.num_scheduled_tokens):
-            graphs = fused = None  # adapters in the batch: the per-layer path (logged once)
+            graphs, fused = None, self.lora.fused_step(fused)  # adapters: CPU fused step or none
         embeds = self.mm.inputs_embeds(out, input_ids) if self.mm is not None else None
         if embeds is not None:  # image placeholder tokens in this step: their embeddings
             return self.model(input_ids, positions, meta, self.kv_caches, inputs_embeds=embeds)

@@ -21,6 +21,9 @@
 // one entry list per linear) describes: [0] one AMX-packed tensor follows; [P, then per part
 // n, bits, zero, has_qh, has_mins] the tensors qs, (qh), scales, (mins) of each part follow
 // (scales and mins fp16 or float32, as gguf_linear_parts reads them).
+// decode_layers_lora: decode_layers_mixed with LoRA adapters (engine/layers/lora.py): after each
+// projection, lora_add (lora.cpp) adds the step's adapters to its output in place, as the
+// layers' wrapped linears do; lora holds per layer [a, bt] of qkv, o, gate_up and down.
 // embeds is the residual stream and is overwritten; returns the final norm's output.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -46,6 +49,23 @@ struct LayerW {
   const at::Tensor* post_norm = nullptr;
   LinearW qkv, o, gate_up, down;
 };
+
+// The step's adapters: per layer 8 tensors (a, bt of qkv, o, gate_up, down), token slots.
+struct LoraStep {
+  const std::vector<at::Tensor>& tensors;
+  const at::Tensor& token_slots;
+  const at::Tensor& slot_scaling;
+  int64_t max_rank;
+};
+
+// out += the adapters' share of projection `which` (0 qkv, 1 o, 2 gate_up, 3 down) of layer l.
+void add_lora(const LoraStep* lora, size_t l, int which, const at::Tensor& out,
+              const at::Tensor& in, at::IntArrayRef sizes) {
+  if (lora == nullptr) return;
+  const at::Tensor& a = lora->tensors[8 * l + 2 * which];
+  const at::Tensor& bt = lora->tensors[8 * l + 2 * which + 1];
+  lora_add(out, in, a, bt, lora->token_slots, lora->slot_scaling, sizes, lora->max_rank);
+}
 
 std::optional<at::Tensor> maybe(const at::Tensor* t) {
   return t != nullptr ? std::optional<at::Tensor>(*t) : std::nullopt;
@@ -98,7 +118,7 @@ struct StepArgs {
 };
 
 at::Tensor run_layers(const at::Tensor& embeds, const std::vector<LayerW>& layers,
-                      const StepArgs& s) {
+                      const StepArgs& s, const LoraStep* lora = nullptr) {
   TORCH_CHECK(s.caches.size() == 2 * layers.size(), "two caches per layer");
   TORCH_CHECK(embeds.dim() == 2 && embeds.is_contiguous() && embeds.size(0) <= 32,
               "embeds: [tokens <= 32, hidden], contiguous");
@@ -142,6 +162,7 @@ at::Tensor run_layers(const at::Tensor& embeds, const std::vector<LayerW>& layer
       fused_add_rms_norm(x, residual, *w.in_norm, s.eps);
     }
     run_linear(qkv, x, w.qkv, w.qkv_bias);
+    add_lora(lora, l, 0, qkv, x, {q_size, kv_size, kv_size});
     at::Tensor q = q_view, k = k_view;
     if (w.q_norm != nullptr) {
       const at::Tensor q_rows = q.reshape({-1, head_dim}).contiguous();
@@ -165,10 +186,13 @@ at::Tensor run_layers(const at::Tensor& embeds, const std::vector<LayerW>& layer
       paged_attention_decode(attn, q, k_cache, v_cache, s.block_table, s.seq_lens, s.scale);
     }
     run_linear(x, attn_rows, w.o, nullptr);
+    add_lora(lora, l, 1, x, attn_rows, {hidden});
     fused_add_rms_norm(x, residual, *w.post_norm, s.eps);
     run_linear(gate_up, x, w.gate_up, nullptr);
+    add_lora(lora, l, 2, gate_up, x, {inter / 2, inter / 2});
     silu_and_mul(h, gate_up);
     run_linear(x, h, w.down, nullptr);
+    add_lora(lora, l, 3, x, h, {hidden});
   }
   fused_add_rms_norm(x, residual, s.final_norm, s.eps);
   return x;
@@ -244,17 +268,15 @@ at::Tensor decode_layers(
   return run_layers(embeds, layers, args);
 }
 
-at::Tensor decode_layers_mixed(
-    const at::Tensor& embeds, const at::Tensor& positions, const at::Tensor& cos_sin,
-    const std::vector<at::Tensor>& weights, const at::Tensor& spec, bool qkv_bias, bool qk_norm,
-    const std::vector<at::Tensor>& caches, const at::Tensor& final_norm,
-    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens,
-    int64_t cascade_prefix_len, const at::Tensor& prefix_blocks, const at::Tensor& suffix_table,
-    const at::Tensor& suffix_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    double eps, double scale, bool batch_invariant) {
+namespace {
+
+// decode_layers_mixed's layers from its flat weights and spec, checked.
+std::vector<LayerW> mixed_layers(const at::Tensor& embeds, const std::vector<at::Tensor>& weights,
+                                 const at::Tensor& spec, bool qkv_bias, bool qk_norm,
+                                 size_t num_layers, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_dim) {
   TORCH_CHECK(spec.scalar_type() == at::kLong && spec.dim() == 1 && spec.is_contiguous(),
               "decode_layers_mixed: spec must be contiguous int64 [entries]");
-  TORCH_CHECK(caches.size() % 2 == 0, "two caches per layer");
   const int64_t* sp = spec.data_ptr<int64_t>();
   const int64_t spec_len = spec.numel();
   int64_t pos = 0;
@@ -263,7 +285,7 @@ at::Tensor decode_layers_mixed(
     TORCH_CHECK(next < weights.size(), "decode_layers_mixed: the weights end before the layers");
     return &weights[next++];
   };
-  std::vector<LayerW> layers(caches.size() / 2);
+  std::vector<LayerW> layers(num_layers);
   for (LayerW& layer : layers) {
     layer.in_norm = take();
     layer.qkv = read_linear(weights, &next, sp, spec_len, &pos);
@@ -286,11 +308,42 @@ at::Tensor decode_layers_mixed(
                     fits(l.down, hidden) && l.gate_up.n % 2 == 0,
                 "decode_layers_mixed: a GGUF linear's parts do not add up to its width");
   }
-  const StepArgs args{positions,  cos_sin,      caches,       final_norm,  slot_mapping,
-                      block_table, seq_lens,    cascade_prefix_len, prefix_blocks,
-                      suffix_table, suffix_lens, num_heads,    num_kv_heads, head_dim,
+  return layers;
+}
+
+}  // namespace
+
+#define MIXED_PARAMS                                                                            \
+  const at::Tensor &embeds, const at::Tensor &positions, const at::Tensor &cos_sin,             \
+      const std::vector<at::Tensor>&weights, const at::Tensor &spec, bool qkv_bias,             \
+      bool qk_norm, const std::vector<at::Tensor>&caches, const at::Tensor &final_norm,         \
+      const at::Tensor &slot_mapping, const at::Tensor &block_table, const at::Tensor &seq_lens, \
+      int64_t cascade_prefix_len, const at::Tensor &prefix_blocks,                              \
+      const at::Tensor &suffix_table, const at::Tensor &suffix_lens, int64_t num_heads,         \
+      int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool batch_invariant
+#define MIXED_STEP                                                                              \
+  TORCH_CHECK(caches.size() % 2 == 0, "two caches per layer");                                  \
+  const std::vector<LayerW> layers = mixed_layers(embeds, weights, spec, qkv_bias, qk_norm,     \
+                                                  caches.size() / 2, num_heads, num_kv_heads,   \
+                                                  head_dim);                                    \
+  const StepArgs args{positions,    cos_sin,     caches,    final_norm,         slot_mapping,    \
+                      block_table,  seq_lens,    cascade_prefix_len, prefix_blocks,            \
+                      suffix_table, suffix_lens, num_heads, num_kv_heads,       head_dim,        \
                       eps,          scale,       batch_invariant};
+
+at::Tensor decode_layers_mixed(MIXED_PARAMS) {
+  MIXED_STEP
   return run_layers(embeds, layers, args);
+}
+
+at::Tensor decode_layers_lora(MIXED_PARAMS, const std::vector<at::Tensor>& lora,
+                              const at::Tensor& token_slots, const at::Tensor& slot_scaling,
+                              int64_t max_rank) {
+  MIXED_STEP
+  TORCH_CHECK(lora.size() == 8 * layers.size(),
+              "decode_layers_lora: a, bt of qkv, o, gate_up and down per layer");
+  const LoraStep step{lora, token_slots, slot_scaling, max_rank};
+  return run_layers(embeds, layers, args, &step);
 }
 
 }  // namespace pagedserve_cpu

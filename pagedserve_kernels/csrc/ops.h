@@ -128,5 +128,19 @@ at::Tensor decode_layers_mixed(
     int64_t cascade_prefix_len, const at::Tensor& prefix_blocks, const at::Tensor& suffix_table,
     const at::Tensor& suffix_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     double eps, double scale, bool batch_invariant);
+at::Tensor decode_layers_lora(
+    const at::Tensor& embeds, const at::Tensor& positions, const at::Tensor& cos_sin,
+    const std::vector<at::Tensor>& weights, const at::Tensor& spec, bool qkv_bias, bool qk_norm,
+    const std::vector<at::Tensor>& caches, const at::Tensor& final_norm,
+    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens,
+    int64_t cascade_prefix_len, const at::Tensor& prefix_blocks, const at::Tensor& suffix_table,
+    const at::Tensor& suffix_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    double eps, double scale, bool batch_invariant, const std::vector<at::Tensor>& lora,
+    const at::Tensor& token_slots, const at::Tensor& slot_scaling, int64_t max_rank);
+
+// lora.cpp
+void lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a_all,
+              const at::Tensor& bt_all, const at::Tensor& token_slots,
+              const at::Tensor& slot_scaling, at::IntArrayRef part_sizes, int64_t max_rank);
 
 }  // namespace pagedserve_cpu

@@ -46,6 +46,9 @@
 //   decode_layers.cpp
 //     decode_layers            one decode step through every decoder layer
 //     decode_layers_mixed      the same, each linear AMX-packed bf16 or GGUF-packed parts
+//     decode_layers_lora       decode_layers_mixed with the step's LoRA adapters (lora_add)
+//   lora.cpp
+//     lora_add                 a linear's batched LoRA adapters added to its output, in place
 // A new kernel family is one more .cpp here (declared in ops.h) and its m.def lines below.
 #include <torch/library.h>
 
@@ -86,6 +89,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("moe_experts", &moe_experts);
   m.def("decode_layers", &decode_layers);
   m.def("decode_layers_mixed", &decode_layers_mixed);
+  m.def("decode_layers_lora", &decode_layers_lora);
   m.def("int8_linear", &int8_linear);
   m.def("int8_kernel", &int8_kernel);
   m.def("set_int8_portable", &set_int8_portable);
@@ -96,4 +100,5 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("set_gguf_portable", &set_gguf_portable);
   m.def("gguf_gemm", &gguf_gemm);
   m.def("gguf_gemm_available", &gguf_gemm_available);
+  m.def("lora_add", &lora_add);
 }

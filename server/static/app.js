@@ -452,6 +452,7 @@
       const body = await resp.json();
       modelName = body.data[0].id;
       $("model-name").textContent = `${modelName} · max_model_len ${body.data[0].max_model_len}`;
+      fillModelPicker(body.data);
     } catch (e) {
       $("model-name").textContent = `no model: ${e.message}`;
     }
@@ -463,6 +464,19 @@
       // no tokenizer info: keep chat, the first reply says what is wrong
     }
   }
+
+  // the base model and its LoRA adapters (cards with a parent); a request goes with the pick
+  function fillModelPicker(cards) {
+    const picker = $("model");
+    picker.replaceChildren();
+    for (const card of cards) {
+      const label = card.parent ? `${card.id} (LoRA adapter of ${card.parent})` : card.id;
+      picker.append(new Option(label, card.id));
+    }
+    picker.value = modelName;
+    $("model-label").hidden = cards.length < 2;
+  }
+  $("model").addEventListener("change", () => { modelName = $("model").value; });
 
   function setMode(mode, note) {
     $("mode").value = mode;
