@@ -45,7 +45,8 @@ def start_replica(i: int, args, events_port: int) -> tuple[subprocess.Popen, str
               "endpoint": f"tcp://*:{events_port}", "replay_endpoint": f"tcp://*:{events_port + 1}"}
     cmd = [sys.executable, "-m", "server.cli", "serve", *([args.model] if args.model else []),
            "--port", str(port), "--block-size", str(args.block_size),
-           "--num-gpu-blocks-override", str(args.blocks), "--kv-events-config", json.dumps(config)]
+           "--num-gpu-blocks-override", str(args.blocks), "--kv-events-config", json.dumps(config),
+           "--prefix-caching-hash-algo", args.prefix_caching_hash_algo]
     log = open(f"/tmp/fleet-replica-{i}.log", "w")  # noqa: SIM115 - lives as long as the server
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
 
@@ -136,6 +137,8 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--prefix-caching-hash-algo", default="builtin",
+                   help="the replicas' block hashes: builtin or vLLM's sha256 / sha256_cbor")
     args = p.parse_args()
     os.environ.setdefault("PYTHONPATH", os.getcwd())
     events = [free_port() for _ in range(2)]  # each replica also binds the next port (replay)
@@ -152,10 +155,13 @@ def main() -> None:
             try:
                 wait_ready(router, "/health", 60)
                 h0, q0 = cache_counters(replicas)
+                load0 = os.getloadavg()[0]
                 results[policy] = asyncio.run(run(router, prompts, args.concurrency,
                                                   args.max_tokens))
                 h1, q1 = cache_counters(replicas)
                 results[policy]["hit_rate"] = (h1 - h0) / max(q1 - q0, 1)
+                # the machine's 1-minute load average before and after (shared machines)
+                results[policy]["load"] = (load0, os.getloadavg()[0])
                 print(policy, results[policy], flush=True)
             finally:
                 proc.terminate()
@@ -166,11 +172,11 @@ def main() -> None:
             proc.wait(30)
     base = results["round_robin"]
     print(f"{'policy':12} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p90':>9} {'req/s':>7} "
-          f"{'p50 vs rr':>9} {'req/s vs rr':>11}")
+          f"{'p50 vs rr':>9} {'req/s vs rr':>11} {'load':>11}")
     for policy, r in results.items():
         print(f"{policy:12} {r['hit_rate']:8.3f} {r['ttft_p50']:9.3f} {r['ttft_p90']:9.3f} "
               f"{r['req_s']:7.2f} {r['ttft_p50'] / base['ttft_p50']:9.2f} "
-              f"{r['req_s'] / base['req_s']:11.2f}")
+              f"{r['req_s'] / base['req_s']:11.2f} {r['load'][0]:5.1f}-{r['load'][1]:<5.1f}")
 
 
 if __name__ == "__main__":
