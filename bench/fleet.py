@@ -137,6 +137,8 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma-separated, run in this order (the ratios need round_robin)")
     p.add_argument("--prefix-caching-hash-algo", default="builtin",
                    help="the replicas' block hashes: builtin or vLLM's sha256 / sha256_cbor")
     args = p.parse_args()
@@ -148,7 +150,8 @@ def main() -> None:
     try:
         for url in replicas:
             wait_ready(url, "/health")
-        for seed, policy in enumerate(POLICIES):
+        for policy in args.policies.split(","):
+            seed = POLICIES.index(policy)
             # its own tenants per policy: no policy finds another's prefixes cached
             prompts = workload(args.tenants, args.users, seed)
             proc, router = start_router(policy, replicas, events, args.block_size)
@@ -170,7 +173,7 @@ def main() -> None:
         for proc, _ in started:
             proc.terminate()
             proc.wait(30)
-    base = results["round_robin"]
+    base = results.get("round_robin") or next(iter(results.values()))
     print(f"{'policy':12} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p90':>9} {'req/s':>7} "
           f"{'p50 vs rr':>9} {'req/s vs rr':>11} {'load':>11}")
     for policy, r in results.items():

@@ -184,3 +184,18 @@ def test_engine_events_name_the_adapter(algo, tiny_model_dir, tmp_path, monkeypa
             assert e.block_hashes == [ext(h) for h in want]
             full.update(zip(e.block_hashes, want))
     engine.shutdown()
+
+
+def test_extra_keys_follow_vllms_tags_for_images_and_salt():
+    """vLLM's _gen_mm_extra_hash_keys: ("mm", identifier, image offset - block start) for every
+    block the image's placeholders touch; the cache salt on the first block only."""
+    from engine.core.block_hashing import event_extra_keys, extra_keys
+
+    req = Request("r", list(range(3, 19)), SamplingParams(max_tokens=1))
+    img = b"\x01" * 32
+    req.mm_spans, req.cache_salt = [(6, 5, img)], b"user-salt"
+    keys = [extra_keys(req, s, s + BS) for s in range(0, 16, BS)]
+    assert keys == [(("cache_salt", "user-salt"),), (("mm", img.hex(), 2),),
+                    (("mm", img.hex(), -2),), None]
+    assert event_extra_keys(keys[1]) == ((img.hex(), 2),)
+    assert event_extra_keys(keys[0]) == ("user-salt",)
