@@ -171,6 +171,11 @@ def test_engine_events_name_the_adapter(algo, tiny_model_dir, tmp_path, monkeypa
     engine.add_request("sql", TOKENS[1], params, lora_name="sql")
     while engine.has_unfinished_requests():
         engine.step()
+    engine.add_request("again", TOKENS[0], params)  # a prefix hit under either hash
+    cached = [o.num_cached_tokens for o in engine.step()[0]]
+    while engine.has_unfinished_requests():
+        cached += [o.num_cached_tokens for o in engine.step()[0]]
+    assert max(cached) == 12  # 3 full blocks of the 13-token prompt
     sub.drain(engine.kv_events)
     stored = [e for b in sub.batches for e in b.events if isinstance(e, BlockStored)]
     by_lora = {e.lora_name: e for e in stored}
