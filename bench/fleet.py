@@ -51,13 +51,14 @@ def start_replica(i: int, args, events_port: int) -> tuple[subprocess.Popen, str
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
 
 
-def start_router(policy: str, replicas: list[str], events: list[int], block_size: int):
+def start_router(policy: str, replicas: list[str], events: list[int], block_size: int,
+                 extra: tuple[str, ...] = ()):
     port = free_port()
     model = httpx.get(replicas[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
     cmd = [shutil.which("vllm-router") or "vllm-router", "--host", "127.0.0.1", "--port",
            str(port), "--policy", policy, "--worker-urls", *replicas]
     if policy == "kv_aware":  # the router refuses event sources under any other policy
-        cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
+        cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", model, *extra]
     for url, ev in zip(replicas, events if policy == "kv_aware" else []):
         cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{ev}"]
         cmd += ["--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{ev + 1}"]
@@ -139,6 +140,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--policies", default=",".join(POLICIES),
                    help="comma-separated, run in this order (the ratios need round_robin)")
+    p.add_argument("--kv-aware-args", default="",
+                   help="more vllm-router flags for kv_aware, e.g. "
+                   "'--kv-aware-session-affinity-ttl-secs 60'")
     p.add_argument("--prefix-caching-hash-algo", default="builtin",
                    help="the replicas' block hashes: builtin or vLLM's sha256 / sha256_cbor")
     args = p.parse_args()
@@ -154,7 +158,8 @@ def main() -> None:
             seed = POLICIES.index(policy)
             # its own tenants per policy: no policy finds another's prefixes cached
             prompts = workload(args.tenants, args.users, seed)
-            proc, router = start_router(policy, replicas, events, args.block_size)
+            proc, router = start_router(policy, replicas, events, args.block_size,
+                                        tuple(args.kv_aware_args.split()))
             try:
                 wait_ready(router, "/health", 60)
                 h0, q0 = cache_counters(replicas)
