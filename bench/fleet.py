@@ -45,18 +45,20 @@ def start_replica(i: int, args, events_port: int) -> tuple[subprocess.Popen, str
               "endpoint": f"tcp://*:{events_port}", "replay_endpoint": f"tcp://*:{events_port + 1}"}
     cmd = [sys.executable, "-m", "server.cli", "serve", *([args.model] if args.model else []),
            "--port", str(port), "--block-size", str(args.block_size),
-           "--num-gpu-blocks-override", str(args.blocks), "--kv-events-config", json.dumps(config)]
+           "--num-gpu-blocks-override", str(args.blocks), "--kv-events-config", json.dumps(config),
+           "--prefix-caching-hash-algo", args.prefix_caching_hash_algo]
     log = open(f"/tmp/fleet-replica-{i}.log", "w")  # noqa: SIM115 - lives as long as the server
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
 
 
-def start_router(policy: str, replicas: list[str], events: list[int], block_size: int):
+def start_router(policy: str, replicas: list[str], events: list[int], block_size: int,
+                 extra: tuple[str, ...] = ()):
     port = free_port()
     model = httpx.get(replicas[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
     cmd = [shutil.which("vllm-router") or "vllm-router", "--host", "127.0.0.1", "--port",
            str(port), "--policy", policy, "--worker-urls", *replicas]
     if policy == "kv_aware":  # the router refuses event sources under any other policy
-        cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
+        cmd += ["--kv-event-block-size", str(block_size), "--kv-event-model", model, *extra]
     for url, ev in zip(replicas, events if policy == "kv_aware" else []):
         cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{ev}"]
         cmd += ["--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{ev + 1}"]
@@ -136,6 +138,13 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help="comma-separated, run in this order (the ratios need round_robin)")
+    p.add_argument("--kv-aware-args", default="",
+                   help="more vllm-router flags for kv_aware, e.g. "
+                   "'--kv-aware-session-affinity-ttl-secs 60'")
+    p.add_argument("--prefix-caching-hash-algo", default="builtin",
+                   help="the replicas' block hashes: builtin or vLLM's sha256 / sha256_cbor")
     args = p.parse_args()
     os.environ.setdefault("PYTHONPATH", os.getcwd())
     events = [free_port() for _ in range(2)]  # each replica also binds the next port (replay)
@@ -145,17 +154,22 @@ def main() -> None:
     try:
         for url in replicas:
             wait_ready(url, "/health")
-        for seed, policy in enumerate(POLICIES):
+        for policy in args.policies.split(","):
+            seed = POLICIES.index(policy)
             # its own tenants per policy: no policy finds another's prefixes cached
             prompts = workload(args.tenants, args.users, seed)
-            proc, router = start_router(policy, replicas, events, args.block_size)
+            proc, router = start_router(policy, replicas, events, args.block_size,
+                                        tuple(args.kv_aware_args.split()))
             try:
                 wait_ready(router, "/health", 60)
                 h0, q0 = cache_counters(replicas)
+                load0 = os.getloadavg()[0]
                 results[policy] = asyncio.run(run(router, prompts, args.concurrency,
                                                   args.max_tokens))
                 h1, q1 = cache_counters(replicas)
                 results[policy]["hit_rate"] = (h1 - h0) / max(q1 - q0, 1)
+                # the machine's 1-minute load average before and after (shared machines)
+                results[policy]["load"] = (load0, os.getloadavg()[0])
                 print(policy, results[policy], flush=True)
             finally:
                 proc.terminate()
@@ -164,13 +178,13 @@ def main() -> None:
         for proc, _ in started:
             proc.terminate()
             proc.wait(30)
-    base = results["round_robin"]
+    base = results.get("round_robin") or next(iter(results.values()))
     print(f"{'policy':12} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p90':>9} {'req/s':>7} "
-          f"{'p50 vs rr':>9} {'req/s vs rr':>11}")
+          f"{'p50 vs rr':>9} {'req/s vs rr':>11} {'load':>11}")
     for policy, r in results.items():
         print(f"{policy:12} {r['hit_rate']:8.3f} {r['ttft_p50']:9.3f} {r['ttft_p90']:9.3f} "
               f"{r['req_s']:7.2f} {r['ttft_p50'] / base['ttft_p50']:9.2f} "
-              f"{r['req_s'] / base['req_s']:11.2f}")
+              f"{r['req_s'] / base['req_s']:11.2f} {r['load'][0]:5.1f}-{r['load'][1]:<5.1f}")
 
 
 if __name__ == "__main__":

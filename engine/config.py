@@ -10,6 +10,8 @@ from engine.spec_decode.ngram import SpeculativeConfig
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _EXECUTORS = ("uni", "mp")
+# --prefix-caching-hash-algo: ours, or vLLM's block hashes (engine/core/block_hashing.py)
+PREFIX_CACHING_HASH_ALGOS = ("builtin", "sha256", "sha256_cbor")
 # --gguf-weights: a GGUF's quantized linears on CPU (engine/layers/quantization/gguf.py)
 GGUF_WEIGHTS = ("auto", "packed", "dense")
 QUANTIZATION_METHODS = ("int8", "gguf")  # --quantization (engine/layers/quantization/int8.py)
@@ -37,6 +39,7 @@ class EngineConfig:
     # dequantized to dtype (float32: transformers' greedy tokens). A GGUF only.
     gguf_weights: str = "auto"
     enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "builtin"
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
     # uni: the model in the engine's thread; mp: in worker processes (engine/executor/executor.py).
@@ -161,6 +164,11 @@ class EngineConfig:
                              "gguf_weights 'dense'")
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}")
+        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of "
+                             f"{list(PREFIX_CACHING_HASH_ALGOS)}, got "
+                             f"{self.prefix_caching_hash_algo!r} (vLLM's xxhash variants are "
+                             f"not offered)")
 
     def _check_speculative(self) -> None:
         if self.speculative_config is None:

@@ -135,13 +135,13 @@ def to_events(log: list[tuple], block_size: int, windows: tuple[int, ...]) -> li
     for entry in log:
         kind = entry[0]
         if kind == "stored":
-            _, group, hashes, parent, token_ids = entry
+            _, group, hashes, parent, token_ids, (lora_name, lora_id, extra_keys) = entry
             window = windows[group] if group < len(windows) else 0
             out.append(BlockStored(
                 block_hashes=[external_hash(h) for h in hashes],
                 parent_block_hash=None if parent is None else external_hash(parent),
-                token_ids=token_ids, block_size=block_size, lora_id=None, medium=MEDIUM_GPU,
-                lora_name=None, group_idx=group,
+                token_ids=token_ids, block_size=block_size, lora_id=lora_id, medium=MEDIUM_GPU,
+                lora_name=lora_name, extra_keys=extra_keys, group_idx=group,
                 kv_cache_spec_kind="sliding_window" if window else "full_attention",
                 kv_cache_spec_sliding_window=window or None,
             ))

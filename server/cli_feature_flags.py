@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from engine.config import GGUF_WEIGHTS
+from engine.config import GGUF_WEIGHTS, PREFIX_CACHING_HASH_ALGOS
 from engine.runner.pooling_config import RUNNERS, TASKS
 from server.tools.registry import TOOL_PARSERS
 
@@ -155,4 +155,12 @@ def add_kv_events_args(p) -> None:
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; the events carry prompt '
         "token ids; default off",
+    )
+    p.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=list(PREFIX_CACHING_HASH_ALGOS),
+        default="builtin",
+        help="how the prefix cache hashes blocks: builtin (ours) or vLLM's sha256 / "
+        "sha256_cbor (NONE_HASH from PYTHONHASHSEED, else 'vllm-none-hash'), so the KV "
+        "events carry the hashes vLLM would for the same token ids (default: builtin)",
     )

@@ -7,10 +7,11 @@ from array import array
 from collections import Counter
 from dataclasses import dataclass
 
+from engine.core.block_hashing import make_block_hasher
 from engine.core.block_pool import BlockPool, KVCacheBlock
 from engine.core.kv_cache_groups import KVCacheSpec, KVGroup, make_groups
 from engine.core.kv_cache_groups import cdiv as cdiv  # callers import it from here
-from engine.core.kv_event_log import describe_stored, split_key
+from engine.core.kv_event_log import describe_stored, split_key, stored_info
 from engine.core.request import Request
 
 _ROOT_HASH = b"pagedserve-root"
@@ -50,8 +51,11 @@ class KVCacheManager:
         enable_caching: bool = True,
         group_windows: tuple[int, ...] = (0,),
         max_num_batched_tokens: int | None = None,
+        block_hash_algo: str = "builtin",
     ) -> None:
         self.block_size = block_size
+        # None: hash_block_tokens; else vLLM's hash (--prefix-caching-hash-algo)
+        self.block_hasher = make_block_hasher(block_hash_algo)
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         spec = KVCacheSpec(tuple(group_windows), tuple(() for _ in group_windows))
@@ -103,6 +107,9 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
             parent = hashes[-1] if hashes else None
+            if self.block_hasher is not None:
+                hashes.append(self.block_hasher(parent, tokens[start : start + bs], request, start))
+                continue
             extra = request.block_extra_keys(start, start + bs)
             hashes.append(hash_block_tokens(parent, tokens[start : start + bs], extra))
         return hashes
@@ -190,7 +197,8 @@ class KVCacheManager:
             for group in groups:
                 group.cache_blocks(rid, hashes, num_full)
             if events is not None and len(events) > mark:
-                describe_stored(events, mark, hashes, request.all_token_ids, self.block_size)
+                describe_stored(events, mark, hashes, request.all_token_ids, self.block_size,
+                                stored_info(request, self.block_hasher, self.block_size))
         return new_blocks
 
     # ---- forks and copy-on-write ---------------------------------------------------------------
@@ -336,7 +344,7 @@ class KVCacheManager:
         if not events:
             return []
         self.block_pool.kv_events = []
-        # ("stored", group, hashes, parent, tokens), ("removed", group, hash), ("cleared",)
+        # ("stored", group, hashes, parent, tokens, info), ("removed", group, hash), ("cleared",)
         return [("removed", *split_key(e[1])) if e[0] == "removed" else e for e in events]
 
     def take_prefix_cache_stats(self) -> PrefixCacheStats:

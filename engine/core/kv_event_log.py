@@ -9,7 +9,11 @@ parent, the shape vLLM's BlockStored carries; engine/kv_events.py turns the log 
 
 from __future__ import annotations
 
-HASH_LEN = 32  # sha256 (engine/core/kv_cache_manager.py hash_block_tokens)
+from collections.abc import Callable
+
+from engine.core.block_hashing import event_extra_keys, extra_keys
+
+HASH_LEN = 32  # sha256: ours (kv_cache_manager.py hash_block_tokens) and vLLM's (block_hashing.py)
 
 
 def split_key(key: bytes) -> tuple[int, bytes]:
@@ -19,12 +23,31 @@ def split_key(key: bytes) -> tuple[int, bytes]:
     return int.from_bytes(key[HASH_LEN + 1 : HASH_LEN + 3], "little"), key[:HASH_LEN]
 
 
+def stored_info(request, vllm_hasher, block_size: int) -> Callable[[int, int], tuple]:
+    """describe_stored's info for one request's blocks first..last: (LoRA adapter name or None,
+    its int id or None, one untagged extra-keys entry per block or None). The extra keys are
+    those of vLLM's hash, so they are sent only when blocks are hashed as vLLM does."""
+    lora = getattr(request, "lora_request", None)
+    name, lora_id = (lora.name, lora.lora_int_id) if lora is not None else (None, None)
+
+    def info(first: int, last: int) -> tuple:
+        if vllm_hasher is None:
+            return name, lora_id, None
+        keys = [event_extra_keys(extra_keys(request, i * block_size, (i + 1) * block_size))
+                for i in range(first, last + 1)]
+        return name, lora_id, (keys if any(k is not None for k in keys) else None)
+
+    return info
+
+
 def describe_stored(
-    log: list[tuple], mark: int, hashes: list[bytes], tokens: list[int], block_size: int
+    log: list[tuple], mark: int, hashes: list[bytes], tokens: list[int], block_size: int,
+    info: Callable[[int, int], tuple] | None = None,
 ) -> None:
     """Rewrites log[mark:]'s ("stored", key) entries, registered for one request, in place as
-    ("stored", group, block hashes, parent hash or None, token ids): one entry per run of
-    consecutive blocks of one group."""
+    ("stored", group, block hashes, parent hash or None, token ids, info): one entry per run of
+    consecutive blocks of one group; info is stored_info's tuple (None: no LoRA, no extra
+    keys)."""
     out = log[:mark]
     run: list[int] | None = None  # [group, first block, last block]
 
@@ -33,7 +56,8 @@ def describe_stored(
             group, first, last = run
             parent = hashes[first - 1] if first else None
             span = tokens[first * block_size : (last + 1) * block_size]
-            out.append(("stored", group, hashes[first : last + 1], parent, list(span)))
+            meta = info(first, last) if info is not None else (None, None, None)
+            out.append(("stored", group, hashes[first : last + 1], parent, list(span), meta))
 
     for event in log[mark:]:
         if event[0] != "stored":

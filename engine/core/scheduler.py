@@ -48,6 +48,7 @@ class Scheduler:
             config.enable_prefix_caching,
             group_windows,
             config.max_num_batched_tokens,
+            getattr(config, "prefix_caching_hash_algo", "builtin"),
         )
         # Sliding groups return blocks on steps that allocate nothing, and several groups need
         # a delta each: such models call allocate_slots every step.
