@@ -148,3 +148,25 @@ def add_kv_events_args(p) -> None:
         '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; the events carry prompt '
         "token ids; default off",
     )
+
+
+def add_kv_offloading_args(p) -> None:
+    """The second KV tier for the prefix cache (engine/kv_offload/), named as vLLM's."""
+    p.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        help="GiB of a second KV tier that keeps prefix-cache blocks evicted from the pool and "
+        "loads them back on a hit instead of recomputing them (on CPU: files on local disk, "
+        "kept across restarts); default off",
+    )
+    p.add_argument(
+        "--kv-offloading-backend",
+        choices=("native", "disk", "lmcache"),
+        help="the tier's backend: native (default; disk files on CPU) or disk; lmcache is "
+        "refused (its wheels need CUDA)",
+    )
+    p.add_argument(
+        "--kv-offloading-dir",
+        help="folder of the tier's files, one subfolder per model, dtype, block size and "
+        "tokenizer (default: ~/.cache/pagedserve/kv_tier)",
+    )

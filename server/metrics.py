@@ -22,6 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.outputs import RequestMetrics, StepStats
+from server.kv_memory_metrics import KVMemoryCollector
 
 request_logger = logging.getLogger("pagedserve.requests")
 
@@ -313,6 +314,10 @@ class Metrics:
             list(labels), registry=self.registry,
         )
         info.labels(**labels).set(1)
+
+    def watch_kv_memory(self, engine) -> None:
+        """Forks, copy-on-write copies and the KV tier (server/kv_memory_metrics.py)."""
+        self.registry.register(KVMemoryCollector(engine, self.model_name))
 
     def watch_connections(self, stats) -> None:
         """Exposes a server/connection_guard.ConnectionStats, read at scrape time."""

@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_model_dir, hf_greedy, make_prompts
+from conftest import build_tiny_model_dir, hf_greedy, make_prompts, metric_value
 
 from engine import LLM, SamplingParams
+from engine.config import EngineConfig
 from engine.kv_offload.disk_store import DiskKVStore
 from engine.kv_offload.setup import attach_kv_offload
 
@@ -82,7 +83,38 @@ def test_tier_hits_equal_transformers_and_leak_nothing(tiny_model_dir, tmp_path,
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     _assert_all_free(llm)
+    _check_metrics(llm)
     llm.engine.shutdown()
+
+
+def _check_metrics(llm: LLM) -> None:
+    from server.metrics import Metrics
+
+    metrics = Metrics("m")
+    metrics.watch_kv_memory(llm.engine)
+    text = metrics.render().decode()
+    off = llm.engine.kv_offload
+    expect = {
+        "vllm:external_prefix_cache_hits_total": off.tier.hit_tokens_total,
+        "vllm:kv_offload_store_bytes_total": off.store.bytes_stored_total,
+        "vllm:kv_offload_load_bytes_total": off.store.bytes_loaded_total,
+        "pagedserve:kv_tier_usage_bytes": off.store.usage_bytes,
+        "pagedserve:kv_tier_blocks": len(off.store),
+        "pagedserve:forks_total": 0,
+        "pagedserve:kv_cow_copies_total": 0,
+    }
+    for name, value in expect.items():
+        assert metric_value(text, name, {"model_name": "m"}) == value, name
+    assert off.tier.hit_tokens_total > 0 and off.store.usage_bytes > 0
+
+
+def test_flags_are_checked():
+    with pytest.raises(ValueError, match="LMCache's wheels need CUDA"):
+        EngineConfig(kv_offloading_size=1, kv_offloading_backend="lmcache")
+    with pytest.raises(ValueError, match="need kv_offloading_size"):
+        EngineConfig(kv_offloading_backend="native")
+    with pytest.raises(ValueError, match="positive"):
+        EngineConfig(kv_offloading_size=0)
 
 
 def test_restart_serves_repeated_prompt_from_tier(tiny_model_dir, tmp_path, prompts):

@@ -230,5 +230,7 @@ class DiskKVStore:
         if entries:
             logger.info(
                 "KV tier: %d blocks (%.1f MiB) found in %s",
-                len(entries), self.usage_bytes / 2**20, self.directory,
+                len(entries),
+                self.usage_bytes / 2**20,
+                self.directory,
             )

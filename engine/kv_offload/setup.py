@@ -20,8 +20,13 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = b"pagedserve-kv-tier-1"
 _TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
-    "special_tokens_map.json", "vocab.txt",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "vocab.txt",
 )
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
 _SAMPLE = 1 << 20  # bytes hashed from each end of a weight file
@@ -90,6 +95,8 @@ def attach_kv_offload(engine, store_cls=DiskKVStore) -> KVOffload | None:
     runner.kv_offload = hook
     logger.info(
         "KV tier: %.2f GiB on disk in %s (%d KiB per block)",
-        cfg.kv_offloading_size, store.directory, hook.block_bytes // 1024,
+        cfg.kv_offloading_size,
+        store.directory,
+        hook.block_bytes // 1024,
     )
     return KVOffload(store, hook, tier)
