@@ -106,6 +106,13 @@ OWN_NAMES = frozenset(
     "http_slow_clients_closed",
     "http_connections_rejected",
     "mm_encoder_images",  # vLLM counts encoder-cache queries and hits, not images encoded
+    # the KV memory model (server/kv_memory_metrics.py)
+    "forks",
+    "kv_cow_copies",
+    "kv_tier_usage_bytes",
+    "kv_tier_capacity_bytes",
+    "kv_tier_blocks",
+    "kv_tier_corrupt_files",
 }
 
 
