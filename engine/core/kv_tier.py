@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.block_pool import KVCacheBlock
+from engine.core.kv_event_log import describe_stored
 from engine.core.request import Request
 
 _MAX_LOADS_PER_REQUEST = 2  # a prefix evicted again before its request runs is loaded once more
@@ -76,6 +77,8 @@ class KVTier:
 
     def _release(self, entry: _Loading) -> None:
         cached = self.pool.cached_block_hash_to_block
+        events = self.pool.kv_events
+        mark = len(events) if events is not None else 0
         num_ok = 0
         for block, key, ok in entry.loads.values():
             if ok and key not in cached:
@@ -83,6 +86,12 @@ class KVTier:
             if ok and len(key) == 32:
                 num_ok += 1  # group 0's keys are the bare 32-byte hash: one per block
             self.num_failed_loads_total += not ok
+        if events is not None and len(events) > mark:  # KV events: as a store of these blocks
+            req = entry.request
+            hashes = self.manager._block_hashes(req)
+            if entry.aborted:  # finished: its hashes were dropped, keep it so
+                self.manager.req_to_block_hashes.pop(req.request_id, None)
+            describe_stored(events, mark, hashes, req.all_token_ids, self.manager.block_size)
         if not entry.aborted:
             self.hit_tokens_total += num_ok * self.manager.block_size
         self.pool.free_blocks(reversed(entry.pinned))  # the tail of the prefix goes first
