@@ -3,6 +3,7 @@ working set is about --pool-ratio (4) times the KV pool, side by side in one run
 
     python bench/kv_tier.py [--model DIR] [--users 4] [--context-tokens 256] [--rounds 3]
                             [--turn-tokens 24] [--max-tokens 8] [--pool-ratio 4]
+    python bench/kv_tier.py --workload preempt [--users 4] [--preempt-tokens 32]
 
 Each user has a document of --context-tokens random tokens (a RAG context or a long system
 prompt); every round each user in turn asks a new question of --turn-tokens tokens, appended to
@@ -88,6 +89,56 @@ def run_mode(args, tier_dir: str | None) -> dict:
     return result
 
 
+def run_preempt(args, tier_dir: str | None) -> dict:
+    """Benchmark (d): every user's request at once in a pool a quarter of their KV, so requests
+    are preempted; a victim's full blocks come back from the tier instead of being recomputed."""
+    kw = dict(kv_offloading_size=args.tier_gib, kv_offloading_dir=tier_dir) if tier_dir else {}
+    need = args.users * (args.context_tokens + args.preempt_tokens)
+    cfg = EngineConfig(model=args.model, dtype=args.dtype, num_gpu_blocks_override=1)
+    probe = LLMEngine(cfg)
+    bs, vocab = probe.config.block_size, min(probe.vocab_size, 30000)
+    probe.shutdown()
+    num_blocks = max(
+        need // bs // int(args.pool_ratio), (args.context_tokens + args.preempt_tokens) // bs + 2
+    )
+    engine = LLMEngine(
+        EngineConfig(model=args.model, dtype=args.dtype, num_gpu_blocks_override=num_blocks, **kw)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.preempt_tokens, ignore_eos=True)
+    t0 = time.monotonic()
+    for u, conv in enumerate(conversations(args, vocab)):
+        engine.add_request(f"p{u}", conv, params)
+    prefill = gen = 0
+    while engine.has_unfinished_requests():
+        _, stats = engine.step()
+        prefill += stats.num_prompt_tokens
+        gen += stats.num_generation_tokens
+    wall = time.monotonic() - t0
+    off = engine.kv_offload
+    result = dict(
+        blocks=num_blocks, wall=wall, tok_s=gen / wall, prefill=prefill,
+        preemptions=engine.scheduler.num_preemptions_total,
+        hits=off.tier.hit_tokens_total if off else 0,
+    )  # fmt: skip
+    engine.shutdown()
+    return result
+
+
+def main_preempt(args) -> None:
+    recompute = run_preempt(args, None)
+    with tempfile.TemporaryDirectory() as d:
+        tier = run_preempt(args, d)
+    print(f"pool {tier['blocks']} blocks, {args.users} requests of {args.context_tokens} + "
+          f"{args.preempt_tokens} tokens at once")  # fmt: skip
+    print("| mode | preemptions | prompt tokens computed | tier hit tokens | wall s | out tok/s |")
+    print("|---|---|---|---|---|---|")
+    for name, r in (("recompute", recompute), ("tier", tier)):
+        print(f"| {name} | {r['preemptions']} | {r['prefill']} | {r['hits']} | {r['wall']:.1f} "
+              f"| {r['tok_s']:.2f} |")  # fmt: skip
+    print(f"tier/recompute: prompt tokens x{tier['prefill'] / recompute['prefill']:.2f}, "
+          f"out tok/s x{tier['tok_s'] / recompute['tok_s']:.2f}")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
@@ -99,7 +150,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--pool-ratio", type=float, default=4.0)
     p.add_argument("--tier-gib", type=float, default=2.0)
+    p.add_argument("--workload", choices=("chat", "preempt"), default="chat")
+    p.add_argument("--preempt-tokens", type=int, default=32, help="preempt: tokens per request")
     args = p.parse_args()
+    if args.workload == "preempt":
+        return main_preempt(args)
     recompute = run_mode(args, None)
     with tempfile.TemporaryDirectory() as d:
         tier = run_mode(args, d)
