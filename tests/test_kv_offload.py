@@ -272,3 +272,28 @@ def test_a_slow_disk_never_stalls_the_step_loop(tiny_model_dir, tmp_path, prompt
     _step_until(engine, done, lambda: not tier.loading)
     _assert_all_free(llm)
     engine.shutdown()
+
+
+def test_store_is_bounded_lru_and_survives_reopen(tmp_path):
+    fp = bytes(range(32))
+    payload = bytes(1000)
+    size = 1000 + 32 + 84  # payload, key, header
+    store = DiskKVStore(tmp_path, 3 * size, fp)
+    keys = [bytes([i]) * 32 for i in range(5)]
+    for key in keys[:3]:
+        store.put(key, payload)
+    store.close()
+    store = DiskKVStore(tmp_path, 3 * size, fp)
+    assert [store.contains(k) for k in keys[:3]] == [True] * 3
+    store.put(keys[0], payload)  # touched: now the most recently used
+    store.put(keys[3], payload)
+    store.put(keys[4], payload)
+    store.close()
+    assert [store.contains(k) for k in keys] == [True, False, False, True, True]
+    assert store.usage_bytes == 3 * size == sum(p.stat().st_size for p in tmp_path.rglob("*.kv"))
+    store = DiskKVStore(tmp_path, 2 * size, fp)  # restarted with a smaller bound
+    assert len(store) == 2 and not store.contains(keys[0])
+    store.submit_load("t", keys[4])
+    store.wait_for_load(5)
+    assert store.poll_loads() == [("t", payload)]
+    store.close()

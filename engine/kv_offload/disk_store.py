@@ -227,6 +227,10 @@ class DiskKVStore:
         for _, key, size in sorted(entries):
             self._index[key] = size
             self.usage_bytes += size
+        while self.usage_bytes > self.capacity_bytes and self._index:  # a smaller bound now
+            old, old_size = self._index.popitem(last=False)
+            self.usage_bytes -= old_size
+            self._path(old).unlink(missing_ok=True)
         if entries:
             logger.info(
                 "KV tier: %d blocks (%.1f MiB) found in %s",
