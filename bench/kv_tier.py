@@ -3,7 +3,7 @@ working set is about --pool-ratio (4) times the KV pool, side by side in one run
 
     python bench/kv_tier.py [--model DIR] [--users 4] [--context-tokens 256] [--rounds 3]
                             [--turn-tokens 24] [--max-tokens 8] [--pool-ratio 4]
-    python bench/kv_tier.py --workload preempt [--users 4] [--preempt-tokens 32]
+    python bench/kv_tier.py --workload preempt --context-tokens 48 --preempt-tokens 64
 
 Each user has a document of --context-tokens random tokens (a RAG context or a long system
 prompt); every round each user in turn asks a new question of --turn-tokens tokens, appended to
@@ -151,7 +151,7 @@ def main() -> None:
     p.add_argument("--pool-ratio", type=float, default=4.0)
     p.add_argument("--tier-gib", type=float, default=2.0)
     p.add_argument("--workload", choices=("chat", "preempt"), default="chat")
-    p.add_argument("--preempt-tokens", type=int, default=32, help="preempt: tokens per request")
+    p.add_argument("--preempt-tokens", type=int, default=64, help="preempt: tokens per request")
     args = p.parse_args()
     if args.workload == "preempt":
         return main_preempt(args)
