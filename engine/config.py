@@ -84,6 +84,12 @@ class EngineConfig:
     # "pooling": a causal embedder served on the scheduler, pooled instead of sampled
     # (engine/pooling_llm.py, engine/runner/pooling_hook.py); set by its builder, uni only
     runner: str = "generate"
+    # the second KV tier for the prefix cache (engine/kv_offload/): vLLM's --kv-offloading-size
+    # (GiB; None: off) and --kv-offloading-backend (native = disk on CPU, or disk); the folder
+    # its files persist in (None: ~/.cache/pagedserve/kv_tier)
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
+    kv_offloading_dir: str | None = None
 
     def __post_init__(self) -> None:
         """Fills the defaults left unset, then checks every field (the first bad one raises)."""
@@ -98,11 +104,28 @@ class EngineConfig:
         self._check_speculative()
         self._check_media()
         self._check_lora()
+        self._check_kv_offloading()
         if self.kv_events_config is not None:
             from engine.kv_events import KVEventsConfig
 
             parsed = KVEventsConfig.parse(self.kv_events_config)
             object.__setattr__(self, "kv_events_config", parsed)
+
+    def _check_kv_offloading(self) -> None:
+        backend = self.kv_offloading_backend
+        if self.kv_offloading_size is None:
+            if backend is not None or self.kv_offloading_dir is not None:
+                raise ValueError("kv_offloading_backend/dir need kv_offloading_size (GiB)")
+            return
+        if not self.kv_offloading_size > 0:
+            raise ValueError("kv_offloading_size must be a positive number of GiB")
+        if backend == "lmcache":
+            raise ValueError(
+                "kv_offloading_backend lmcache is not available: LMCache's wheels need CUDA "
+                "(libcudart, cupy) and numpy<=2.2.6; use native"
+            )
+        if backend not in (None, "native", "disk"):
+            raise ValueError(f"kv_offloading_backend must be native or disk, not {backend!r}")
 
     def _check_lora(self) -> None:
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))

@@ -16,6 +16,7 @@ from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.distributed import check_tensor_parallel
 from engine.executor.executor import create_executor
 from engine.kv_events import create_publisher, to_events
+from engine.kv_offload.setup import attach_kv_offload
 from engine.lora.registry import LoRARegistry
 from engine.model_loader.loader import resolve_model
 from engine.model_loader.weight_loader import check_tokenizer
@@ -89,6 +90,7 @@ class LLMEngine:
         self.kv_events = create_publisher(self.config.kv_events_config)
         if self.kv_events is not None:
             self.scheduler.kv_cache_manager.enable_kv_events()
+        self.kv_offload = attach_kv_offload(self)  # the second KV tier (None: off)
         logger.info("%s", ready_line(self, config.max_model_len))
 
     @property
@@ -98,6 +100,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the model's worker processes, if any, and the KV-event publisher."""
+        if self.kv_offload is not None:  # before the runner goes: the pool is flushed to disk
+            self.kv_offload.shutdown()
         self.executor.shutdown()
         if self.kv_events is not None:
             self.kv_events.shutdown()

@@ -35,7 +35,11 @@ SERVE_GROUPS: list[tuple[str, str, list[Callable]]] = [
             features.add_lora_args,
         ],
     ),
-    ("cache", "the paged KV cache", [cli_flags.add_cache_args, features.add_kv_events_args]),
+    (
+        "cache",
+        "the paged KV cache",
+        [cli_flags.add_cache_args, features.add_kv_events_args, features.add_kv_offloading_args],
+    ),
     ("scheduler", "batching and queueing", [cli_flags.add_scheduler_args]),
     ("parallel", "ranks, workers and hosts", [cli_flags.add_parallel_args]),
     (
@@ -173,6 +177,7 @@ def build_server(args: argparse.Namespace, state=None, stage=lambda _: None):
         engine.config.block_size, engine.executor.num_blocks,
         enable_prefix_caching=engine.config.enable_prefix_caching,
     )  # fmt: skip
+    metrics.watch_kv_memory(engine)
     if state is not None:
         metrics.watch_connections(state.connections)
     metrics.observe(engine.snapshot_stats())  # block gauges read true before the first step

@@ -164,3 +164,25 @@ def add_kv_events_args(p) -> None:
         "sha256_cbor (NONE_HASH from PYTHONHASHSEED, else 'vllm-none-hash'), so the KV "
         "events carry the hashes vLLM would for the same token ids (default: builtin)",
     )
+
+
+def add_kv_offloading_args(p) -> None:
+    """The second KV tier for the prefix cache (engine/kv_offload/), named as vLLM's."""
+    p.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        help="GiB of a second KV tier that keeps prefix-cache blocks evicted from the pool and "
+        "loads them back on a hit instead of recomputing them (on CPU: files on local disk, "
+        "kept across restarts); default off",
+    )
+    p.add_argument(
+        "--kv-offloading-backend",
+        choices=("native", "disk", "lmcache"),
+        help="the tier's backend: native (default; disk files on CPU) or disk; lmcache is "
+        "refused (its wheels need CUDA)",
+    )
+    p.add_argument(
+        "--kv-offloading-dir",
+        help="folder of the tier's files, one subfolder per model, dtype, block size and "
+        "tokenizer (default: ~/.cache/pagedserve/kv_tier)",
+    )

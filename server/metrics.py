@@ -22,6 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.outputs import RequestMetrics, StepStats
+from server.kv_memory_metrics import KVMemoryCollector
 
 request_logger = logging.getLogger("pagedserve.requests")
 
@@ -105,6 +106,13 @@ OWN_NAMES = frozenset(
     "http_slow_clients_closed",
     "http_connections_rejected",
     "mm_encoder_images",  # vLLM counts encoder-cache queries and hits, not images encoded
+    # the KV memory model (server/kv_memory_metrics.py)
+    "forks",
+    "kv_cow_copies",
+    "kv_tier_usage_bytes",
+    "kv_tier_capacity_bytes",
+    "kv_tier_blocks",
+    "kv_tier_corrupt_files",
 }
 
 
@@ -313,6 +321,10 @@ class Metrics:
             list(labels), registry=self.registry,
         )
         info.labels(**labels).set(1)
+
+    def watch_kv_memory(self, engine) -> None:
+        """Forks, copy-on-write copies and the KV tier (server/kv_memory_metrics.py)."""
+        self.registry.register(KVMemoryCollector(engine, self.model_name))
 
     def watch_connections(self, stats) -> None:
         """Exposes a server/connection_guard.ConnectionStats, read at scrape time."""

@@ -360,6 +360,10 @@ EXPECTED_FAMILIES = {
     "http_connections_open": "gauge",
     "http_slow_clients_closed": "counter",
     "http_connections_rejected": "counter",
+    # forks and copy-on-write copies (server/kv_memory_metrics.py); the KV tier's series appear
+    # only with --kv-offloading-size (tests/test_kv_offload.py)
+    "forks": "counter",
+    "kv_cow_copies": "counter",
 }
 VLLM_BUCKETS = {
     "time_to_first_token_seconds": TTFT_BUCKETS,

@@ -111,6 +111,9 @@ class BlockPool:
         # KV-cache events, in order, when enabled (engine/kv_events.py publishes them):
         # ("stored", key), ("removed", key), ("cleared",). None: nothing is recorded.
         self.kv_events: list[tuple] | None = None
+        # (block id, key) of every hashed block evicted, when a second KV tier keeps them
+        # (engine/core/kv_tier.py). None: nothing is recorded.
+        self.evicted: list[tuple[int, bytes]] | None = None
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -130,6 +133,8 @@ class BlockPool:
                 del self.cached_block_hash_to_block[block.block_hash]
                 if self.kv_events is not None:
                     self.kv_events.append(("removed", block.block_hash))
+                if self.evicted is not None:
+                    self.evicted.append((block.block_id, block.block_hash))
                 block.block_hash = None
                 self.hash_tags[block.block_id] = 0
                 self.num_cached_free_blocks -= 1

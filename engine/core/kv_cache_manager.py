@@ -80,6 +80,7 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []
         self.replaced_tables: set[str] = set()
         self.num_cow_copies_total = 0
+        self.tier = None  # the second KV tier (engine/core/kv_tier.py) holds blocks while loading
 
     @property
     def num_blocks(self) -> int:
@@ -323,6 +324,8 @@ class KVCacheManager:
         for group in self.groups:
             holders.update(group.check_integrity())
             assert group.req_to_blocks.keys() == self.req_to_blocks.keys(), "groups disagree"
+        if self.tier is not None:
+            holders.update(b.block_id for b in self.tier.held_blocks())
         for block in self.block_pool.blocks:
             assert block.ref_cnt == holders[block.block_id], f"{block} has the wrong ref count"
         # Only prefix hits (hashed blocks) and forks share blocks.

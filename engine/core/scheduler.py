@@ -19,6 +19,7 @@ from engine.core.encoder_budget import EncoderBudget
 from engine.core.forks import drop_fork_waiting, fork_ready, hold_for_fork
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.pooling import check_pooling_fits, finish_pooled
+from engine.core.kv_tier import KVTier
 from engine.core.request import Request, RequestRejectedError, RequestStatus
 from engine.core.request_queue import RequestQueue
 from engine.core.scheduler_output import SchedulerOutput
@@ -71,6 +72,7 @@ class Scheduler:
         self.fork_waiting: dict[str, list[Request]] = {}
         self.num_forks_total = 0
         self.encoder_budget = EncoderBudget(config.encoder_budget_tokens)  # images per step
+        self.kv_tier: KVTier | None = None  # the second KV tier (engine/kv_offload/setup.py)
 
     # ---- queue -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -126,7 +128,11 @@ class Scheduler:
         return request.num_prompt_tokens + max_tokens - 1
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.fork_waiting)
+        return bool(self.waiting or self.running or self.fork_waiting or self.kv_tier_loading)
+
+    @property
+    def kv_tier_loading(self) -> bool:
+        return self.kv_tier is not None and bool(self.kv_tier.loading)
 
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -135,11 +141,16 @@ class Scheduler:
         self.encoder_budget.new_step()
         if self.fork_waiting:
             fork_ready(self)
+        if self.kv_tier is not None:  # requests whose tier blocks are loaded run again
+            for req in reversed(self.kv_tier.finish_loads()):
+                self.waiting.appendleft(req)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:  # a step that preempted has no room to admit anyone
             self._schedule_waiting(out, budget)
         if self.kv_cache_manager.pending_copies:
             out.block_copies = self.kv_cache_manager.take_block_copies()
+        if self.kv_tier is not None:
+            out.kv_stores, out.kv_loads = self.kv_tier.take_stores(), self.kv_tier.take_loads()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -298,6 +309,9 @@ class Scheduler:
             if req.lora_request is not None and not self._lora_fits(req):
                 break  # --max-loras adapters run already: the head waits its turn (FCFS)
             hits, num_hit_tokens = kv.get_computed_blocks(req)
+            if self.kv_tier is not None and self.kv_tier.start_load(req, num_hit_tokens):
+                self.waiting.popleft()  # back at the front once its tier blocks are loaded
+                continue
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             num_new = self.encoder_budget.clip(req, num_hit_tokens, num_new, commit=False)
             if num_new <= 0 or kv.allocate_slots(req, num_new, hits, num_hit_tokens) is None:
@@ -462,6 +476,8 @@ class Scheduler:
                 num_running += 1
             elif req in self.waiting:  # waiting or preempted
                 self.waiting.remove(req)
+            elif self.kv_tier is not None and self.kv_tier.drop(req):
+                pass  # waiting for tier loads: its blocks go when they land
             else:  # a parallel sample waiting for its fork
                 drop_fork_waiting(self, req)
             req.status = status
@@ -473,6 +489,8 @@ class Scheduler:
 
     def _free_finished(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
+        if self.kv_tier is not None:
+            self.kv_tier.forget(req.request_id)
         self._tables_to_reset.discard(req.request_id)
         del self.requests[req.request_id]
         self.finished_req_ids.append(req.request_id)

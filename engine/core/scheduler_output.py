@@ -36,6 +36,10 @@ class SchedulerOutput:
     # (src, dst) KV block copies (copy-on-write after a fork) the runner runs before the
     # forward pass, all read before any is written; every dst appears once.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # The second KV tier (engine/core/kv_tier.py): (block id, key) of blocks evicted this step,
+    # to snapshot before anything writes KV, and of blocks to fill from the tier.
+    kv_stores: list[tuple[int, bytes]] = field(default_factory=list)
+    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

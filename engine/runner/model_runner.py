@@ -97,6 +97,7 @@ class ModelRunner:
         self.mm = MultiModalEmbedder.build(self.model, config.mm_encoder_cache_bytes, self.device)
         self.mrope = MRopePositions.build(self.model)  # (t, h, w) positions: Qwen2.5-VL
         self.decode_graphs = self.fused_decode = None
+        self.kv_offload = None  # the second KV tier's hook (engine/kv_offload/), set by the engine
         # Neither the graphs nor the fused decode step know the row-parallel all-reduces,
         # windows or logit caps.
         if self._plain_attention and self.tp.world_size == 1:
@@ -287,6 +288,8 @@ class ModelRunner:
         """One sampled token per scheduled request; None for a partial prefill chunk."""
         for request_id in out.finished_req_ids:  # the scheduler's word drives cleanup
             self.release(request_id)
+        if self.kv_offload is not None:  # tier stores and loads, before anything writes KV
+            self.kv_offload.step(out)
         if out.is_empty:
             return ModelRunnerOutput(sampled_token_ids=[])
         if out.block_copies:  # copy-on-write after a fork: before anything writes KV
