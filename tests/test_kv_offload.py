@@ -137,7 +137,7 @@ def test_restart_serves_repeated_prompt_from_tier(tiny_model_dir, tmp_path, prom
     assert _one_by_one(second, [long_prompt]) == ref
     stored = [e for e in kv.take_kv_events() if e[0] == "stored"]
     # Loaded blocks are announced as stored, with their tokens (engine/core/kv_event_log.py).
-    assert stored and all(len(e) == 5 for e in stored)
+    assert stored and all(len(e) == 6 for e in stored)
     assert stored[0][4] == long_prompt[: len(stored[0][2]) * BS]
     assert second.engine.kv_offload.tier.hit_tokens_total >= len(long_prompt) - BS - 1
     assert warm[0] <= BS  # only the last partial block (and the token for logits) computed

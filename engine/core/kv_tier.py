@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.block_pool import KVCacheBlock
-from engine.core.kv_event_log import describe_stored
+from engine.core.kv_event_log import describe_stored, stored_info
 from engine.core.request import Request
 
 _MAX_LOADS_PER_REQUEST = 2  # a prefix evicted again before its request runs is loaded once more
@@ -91,7 +91,9 @@ class KVTier:
             hashes = self.manager._block_hashes(req)
             if entry.aborted:  # finished: its hashes were dropped, keep it so
                 self.manager.req_to_block_hashes.pop(req.request_id, None)
-            describe_stored(events, mark, hashes, req.all_token_ids, self.manager.block_size)
+            size = self.manager.block_size
+            describe_stored(events, mark, hashes, req.all_token_ids, size,
+                            stored_info(req, self.manager.block_hasher, size))
         if not entry.aborted:
             self.hit_tokens_total += num_ok * self.manager.block_size
         self.pool.free_blocks(reversed(entry.pinned))  # the tail of the prefix goes first

@@ -18,8 +18,8 @@ from engine.core.block_pool import KVCacheBlock
 from engine.core.encoder_budget import EncoderBudget
 from engine.core.forks import drop_fork_waiting, fork_ready, hold_for_fork
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.pooling import check_pooling_fits, finish_pooled
 from engine.core.kv_tier import KVTier
+from engine.core.pooling import check_pooling_fits, finish_pooled
 from engine.core.request import Request, RequestRejectedError, RequestStatus
 from engine.core.request_queue import RequestQueue
 from engine.core.scheduler_output import SchedulerOutput
