@@ -230,6 +230,6 @@ def test_openai_client_completions_and_chat(beam_server, beam_model_dir, hf_mode
     assert chat.choices[0].message.content != chat.choices[1].message.content
     with pytest.raises(Exception) as e:
         client.completions.create(
-            model="tiny-beam", prompt="x", n=2, extra_body={**extra, "early_stopping": "no"}
+            model="tiny-beam", prompt="x", n=2, extra_body={**extra, "early_stopping": "sometimes"}
         )
     assert e.value.status_code == 400 and "early_stopping" in str(e.value)
