@@ -31,9 +31,7 @@ def hf_model(beam_model_dir):
     return AutoModelForCausalLM.from_pretrained(beam_model_dir, dtype=torch.float32).eval()
 
 
-def hf_beams(
-    model, ids, k, max_new, eos_ids=None, length_penalty=1.0, early_stopping=False, **kw
-):
+def hf_beams(model, ids, k, max_new, eos_ids=None, length_penalty=1.0, early_stopping=False, **kw):
     """transformers' beam search: the k sequences' new tokens, best first (EOS kept, the fill
     after it dropped)."""
     with torch.inference_mode():

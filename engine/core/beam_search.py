@@ -95,7 +95,7 @@ class BeamSearch:
 
     def __init__(self, scheduler: Scheduler, decode: Callable[[list[int], bool], str]) -> None:
         self.sched = scheduler
-        self.decode = decode  # (output token ids, skip_special_tokens) -> text (stop strings, the final text)
+        self.decode = decode  # (output ids, skip_special_tokens) -> text: stop strings, results
         self.groups: dict[str, BeamGroup] = {}
         self.owner: dict[str, BeamGroup] = {}  # engine request id of a live beam -> group
 
@@ -292,7 +292,9 @@ class BeamSearch:
         )
 
     def _completion(self, g: BeamGroup, index: int, h: Hypothesis) -> CompletionOutput:
-        text = h.text if h.text is not None else self.decode(h.token_ids, g.params.skip_special_tokens)
+        text = h.text
+        if text is None:
+            text = self.decode(h.token_ids, g.params.skip_special_tokens)
         return CompletionOutput(
             index=index,
             text=text,
