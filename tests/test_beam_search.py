@@ -216,6 +216,16 @@ def test_openai_client_completions_and_chat(beam_server, beam_model_dir, hf_mode
         tok.decode(e, skip_special_tokens=True) for e in expected
     ]
     assert resp.usage.completion_tokens == sum(len(e) for e in expected)
+    stream = client.completions.create(
+        model="tiny-beam", prompt=prompt, n=3, max_tokens=16, stream=True, extra_body=extra
+    )
+    texts, reasons = ["", "", ""], [None] * 3
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert texts == [c.text for c in resp.choices]
+    assert reasons == [c.finish_reason for c in resp.choices]
     chat = client.chat.completions.create(
         model="tiny-beam",
         messages=[{"role": "user", "content": "hi there"}],
