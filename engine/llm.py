@@ -66,7 +66,7 @@ class LLM:
         """One engine request, or params.n of them (ids rid#i) forked from the first."""
         rid = str(next(self._ids))
         ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if params.n == 1:
+        if params.n == 1 or params.use_beam_search:  # a beam group answers with n outputs
             self.engine.add_request(rid, ids, params, lora_name=lora)
         else:
             reqs = [
@@ -86,7 +86,7 @@ class LLM:
             finished=False,
             prompt=prompt if isinstance(prompt, str) else None,
         )
-        self._num_samples[rid] = params.n
+        self._num_samples[rid] = 1 if params.use_beam_search else params.n
         return rid
 
     def _run(self, results: dict[str, RequestOutput], use_tqdm: bool) -> None:
@@ -97,7 +97,11 @@ class LLM:
             for delta in step_outputs:
                 rid, _, index = delta.request_id.partition("#")
                 acc = results[rid]
-                _merge(acc, delta, int(index or 0), num_open[rid])
+                if len(delta.outputs) > 1:  # beam search: every sequence at once, best first
+                    acc.outputs, acc.metrics = list(delta.outputs), delta.metrics
+                    acc.num_cached_tokens = delta.num_cached_tokens
+                else:
+                    _merge(acc, delta, int(index or 0), num_open[rid])
                 num_open[rid] -= delta.finished
                 acc.finished = not num_open[rid]
                 if acc.finished:

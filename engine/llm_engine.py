@@ -11,6 +11,7 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import EngineConfig
+from engine.core.beam_search import BeamSearch, check_beam_request
 from engine.core.request import Request, RequestRejectedError, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.distributed import check_tensor_parallel
@@ -63,6 +64,7 @@ class LLMEngine:
             raise ValueError("image models run with tensor_parallel_size 1 (the uni executor) yet")
         self.executor = create_executor(self.config, self.model_dir, self.hf_config)
         self.scheduler = Scheduler(self.config, self.executor.num_blocks, self.executor.kv_windows)
+        self.beams = BeamSearch(self.scheduler, self._decode)
         self.lora_registry = (  # the served LoRA adapters by name (--lora-modules)
             LoRARegistry(self.config, self.executor, self.model_name)
             if self.config.enable_lora
@@ -158,6 +160,8 @@ class LLMEngine:
         if params.max_tokens is None:
             left = self.config.max_model_len - req.num_prompt_tokens
             req.sampling_params = replace(params, max_tokens=left)
+        if params.use_beam_search:
+            check_beam_request(self.scheduler, params)
         if params.structured_outputs is not None:  # the server compiled it already: a cache hit
             req.grammar = self.grammar_compiler.compile(params.structured_outputs).new_matcher()
         return req
@@ -184,12 +188,16 @@ class LLMEngine:
         """Queues a request built by make_request (nothing is checked twice)."""
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"duplicate request id {req.request_id}")
+        if req.sampling_params.use_beam_search:
+            return self.beams.add(req)  # engine/core/beam_search.py: no detokenizer state
         self.scheduler.add_request(req)
         self.request_states[req.request_id] = RequestState(self.tokenizer, req)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        request_ids, beam_outputs = self.beams.abort(request_ids)
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         outputs = [self._make_output(req, [], "", time.monotonic()) for req in finished]
+        outputs += beam_outputs
         self.aborted_metrics.extend(out.metrics for out in outputs)
         return outputs
 
@@ -203,12 +211,12 @@ class LLMEngine:
         # Called on an empty batch too: the runner frees what finished_req_ids names.
         runner_out = self.executor.execute(sched_out)
         results = self.scheduler.update_from_output(sched_out, runner_out)
+        results, outputs = self.beams.take(results, runner_out.logprobs)  # beam search's steps
         for rid, chunk in runner_out.prompt_logprobs.items():
             if rid in self.request_states:
                 self.request_states[rid].add_prompt_logprobs(chunk)
         now = time.monotonic()
         stats = self._step_stats(sched_out, now - t0)
-        outputs = []
         for req, new_ids in results:
             self._record_itl(req, now, stats)
             state = self.request_states[req.request_id]
@@ -236,6 +244,9 @@ class LLMEngine:
         if self.kv_events is not None:
             self.publish_kv_events()
         return outputs, stats
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def publish_kv_events(self) -> None:
         """This step's KV-cache events as one batch (none: nothing is sent)."""

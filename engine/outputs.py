@@ -23,6 +23,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, if asked for
+    cumulative_logprob: float | None = None  # beam search: the sum of the tokens' logprobs
 
 
 @dataclass

@@ -36,6 +36,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token (echo + logprobs)
     skip_special_tokens: bool = True
     structured_outputs: GrammarSpec | None = None  # the grammar the output must follow
+    # beam search (vLLM's request fields, transformers' meanings; engine/core/beam_search.py):
+    # n is the beam width and the number of sequences returned
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # score = sum of logprobs / generated length ** length_penalty
+    early_stopping: bool | str = False  # True, False or "never"
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -51,6 +56,7 @@ class SamplingParams:
         self._validate_sampling()
         self._validate_lengths()
         self._validate_outputs()
+        self._validate_beam_search()
 
     def _validate_sampling(self) -> None:
         """n and the knobs that shape the distribution: temperature, top-p/k, min-p, penalties."""
@@ -111,6 +117,28 @@ class SamplingParams:
                 "logit_bias",
                 f"logit_bias for {token_id} must be in [-100, 100]",
             )
+
+    def _validate_beam_search(self) -> None:
+        """early_stopping's three values, a finite length_penalty; what beam search refuses."""
+        _check(
+            self.early_stopping in (True, False, "never"),
+            "early_stopping",
+            f'early_stopping must be true, false or "never", got {self.early_stopping!r}',
+        )
+        _check(
+            math.isfinite(self.length_penalty),
+            "length_penalty",
+            f"length_penalty must be a finite number, got {self.length_penalty}",
+        )
+        if not self.use_beam_search:
+            return
+        for name in ("logprobs", "prompt_logprobs", "structured_outputs"):
+            _check(
+                getattr(self, name) is None,
+                name,
+                f"{name} is not supported with use_beam_search; leave it unset",
+            )
+        _check(self.min_tokens == 0, "min_tokens", "min_tokens is not supported with beam search")
 
     @property
     def greedy(self) -> bool:

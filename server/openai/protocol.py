@@ -134,6 +134,10 @@ class SamplingRequest(BaseModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # beam search (n = beam width): vLLM's fields, transformers' meanings
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
     response_format: dict | None = None
@@ -205,6 +209,9 @@ class SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
             structured_outputs=(self.grammar_source() or (None,))[0],
         )
 

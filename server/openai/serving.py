@@ -109,7 +109,10 @@ async def compile_grammar(ctx: ServingContext, params: SamplingParams, param: st
 
 
 def child_params(params: SamplingParams, i: int) -> SamplingParams:
-    """The i-th of n samples: its own seed (seed + i, wrapped to int64) so choices differ."""
+    """The i-th of n samples: its own seed (seed + i, wrapped to int64) so choices differ.
+    Beam search keeps n (the width): its first choice runs the search for all n."""
+    if params.use_beam_search:
+        return params
     seed = params.seed
     if seed is not None and i:
         seed = seed + i
@@ -171,6 +174,8 @@ def make_requests(
     """
     lora = ctx.lora_name_for(model)
     for c in choices:
+        if c.params.use_beam_search and c.index % c.params.n:
+            continue  # the prompt's first choice carries every beam (engine/core/beam_search.py)
         try:
             kwargs = {"mm_inputs": c.mm_inputs} if c.mm_inputs else {}
             if lora is not None:
@@ -192,6 +197,8 @@ def link_forks(choices: list[ChoiceRequest]) -> None:
     """n > 1: every choice of a prompt forks from its first (engine/core/forks.py)."""
     first: dict[int, Request] = {}
     for c in choices:
+        if c.request is None or c.params.use_beam_search:
+            continue
         parent = first.setdefault(c.prompt_idx, c.request)
         if parent is not c.request:
             c.request.fork_parent_id = parent.request_id
@@ -205,14 +212,22 @@ async def merge_outputs(
     Leaving early (client disconnect) cancels the pumps, or closes the one choice's stream,
     which aborts the engine requests.
     """
-    if len(choices) == 1:  # the common case: no pump task, no queue between it and the response
-        index = choices[0].index
-        async with contextlib.aclosing(ctx.engine.generate(choices[0].request)) as stream:
+    runs = [c for c in choices if c.request is not None]  # beam search: one per prompt
+    if len(runs) == 1:  # the common case: no pump task, no queue between it and the response
+        index = runs[0].index
+        async with contextlib.aclosing(ctx.engine.generate(runs[0].request)) as stream:
             async for out in stream:
-                yield [(index, out)]
+                yield _per_choice(index, out)
         return
-    async for outputs in _merge_many(ctx, choices):
-        yield outputs
+    async for outputs in _merge_many(ctx, runs):
+        yield [pair for index, out in outputs for pair in _per_choice(index, out)]
+
+
+def _per_choice(index: int, out: RequestOutput) -> list[tuple[int, RequestOutput]]:
+    """A beam search result holds its n sequences, best first: choices index .. index + n - 1."""
+    if len(out.outputs) == 1:
+        return [(index, out)]
+    return [(index + i, replace(out, outputs=[c])) for i, c in enumerate(out.outputs)]
 
 
 async def _merge_many(
