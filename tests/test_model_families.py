@@ -344,7 +344,7 @@ def test_registry_has_what_the_readme_lists():
     assert set(SUPPORTED_ARCHITECTURES) == {
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-        "LlavaForConditionalGeneration",
+        "LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
     }
 
 
