@@ -116,7 +116,7 @@ def _stored_events(algo: str, lora: LoRARequest | None, tokens: list[int]) -> li
     kv.enable_kv_events()
     req = Request("r", tokens, SamplingParams(max_tokens=1))
     if lora is not None:
-        req.lora_request, req.cache_salt = lora, lora.cache_salt
+        req.lora_request = lora
     hits, num_hit = kv.get_computed_blocks(req)
     assert kv.allocate_slots(req, len(tokens), hits, num_hit) is not None
     return [e for e in to_events(kv.take_kv_events(), BS, (0,)) if e.__class__.__name__ ==
@@ -198,7 +198,7 @@ def test_extra_keys_follow_vllms_tags_for_images_and_salt():
 
     req = Request("r", list(range(3, 19)), SamplingParams(max_tokens=1))
     img = b"\x01" * 32
-    req.mm_spans, req.cache_salt = [(6, 5, img)], b"user-salt"
+    req.mm_spans, req.cache_salt = [(6, 5, img)], "user-salt"
     keys = [extra_keys(req, s, s + BS) for s in range(0, 16, BS)]
     assert keys == [(("cache_salt", "user-salt"),), (("mm", img.hex(), 2),),
                     (("mm", img.hex(), -2),), None]
