@@ -106,6 +106,52 @@ def test_render_echoes_the_salt(tiny_server):
         items = http.post("/v1/completions/render", json=body).json()
         assert [i["cache_salt"] for i in items] == ["tenant-a", "tenant-a"]
         chat = {"model": "tiny", "messages": MESSAGES, "cache_salt": "tenant-b"}
-        assert http.post("/v1/chat/completions/render", json=chat).json()["cache_salt"] == "tenant-b"
+        echoed = http.post("/v1/chat/completions/render", json=chat).json()
+        assert echoed["cache_salt"] == "tenant-b"
         bad = http.post("/v1/chat/completions/render", json={**chat, "cache_salt": ""})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
+def test_offline_dict_prompts_carry_the_salt_and_forks_keep_it(tiny_model_dir):
+    """LLM.generate takes vLLM's {"prompt_token_ids", "cache_salt"} prompts; n > 1 under a salt
+    still forks the samples from the first (a parent with the same salt)."""
+    from test_forks import _assert_all_free
+
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", block_size=4, max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    ids = list(range(40, 70))
+
+    def cached(salt: str | None) -> int:
+        prompt = {"prompt_token_ids": ids} if salt is None else {"prompt_token_ids": ids,
+                                                                  "cache_salt": salt}
+        (out,) = llm.generate(prompt, params, use_tqdm=False)
+        return out.num_cached_tokens
+
+    assert [cached("a"), cached("a"), cached("b"), cached(None), cached("b")] == [0, 28, 0, 0, 28]
+    sched = llm.engine.scheduler
+    forks = sched.num_forks_total
+    n3 = SamplingParams(n=3, temperature=0.0, max_tokens=2, ignore_eos=True)
+    (out,) = llm.generate({"prompt_token_ids": ids, "cache_salt": "c"}, n3, use_tqdm=False)
+    assert len(out.outputs) == 3 and sched.num_forks_total == forks + 2  # two forks of the first
+    _assert_all_free(llm)
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate({"prompt_token_ids": ids, "cache_salt": ""}, params, use_tqdm=False)
+
+
+def test_a_sample_forks_only_from_a_parent_with_its_salt_and_adapter():
+    from conftest import make_request, make_scheduler
+
+    from engine.core.forks import hold_for_fork
+    from engine.lora.request import LoRARequest
+
+    sched = make_scheduler()
+    parent = make_request("p", 9)
+    parent.cache_salt = "a"
+    sched.add_request(parent)
+    for i, (salt, lora) in enumerate([("a", None), ("b", None), (None, None),
+                                      ("a", LoRARequest("sql", 1, "/sql", "ab" * 32))]):
+        child = make_request(f"c{i}", 9)
+        child.fork_parent_id, child.cache_salt, child.lora_request = "p", salt, lora
+        assert hold_for_fork(sched, child) is (i == 0), (salt, lora)
