@@ -186,6 +186,7 @@ class AsyncEngine:
         params: SamplingParams,
         mm_inputs: list | None = None,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """The request the engine will run, validated once (LLMEngine.make_request).
 
@@ -196,7 +197,8 @@ class AsyncEngine:
         if request_id in self._streams:  # ids come partly from clients (X-Request-Id)
             raise ValueError(f"request id {request_id!r} is already in use")
         return self.engine.make_request(
-            request_id, prompt_token_ids, params, mm_inputs=mm_inputs, lora_name=lora_name
+            request_id, prompt_token_ids, params, mm_inputs=mm_inputs, lora_name=lora_name,
+            cache_salt=cache_salt,
         )
 
     def check_queue(self, num_new: int = 1) -> None:

@@ -12,7 +12,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # dict: vLLM's {"prompt" | "prompt_token_ids", "cache_salt"}
 
 
 class LLM:
@@ -36,7 +36,7 @@ class LLM:
         lora_request (with enable_lora): a served adapter's name, or an object with
         vLLM's LoRARequest fields lora_name and lora_path (loaded, in place, when new)."""
         lora = self._lora_name(lora_request)
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or self.engine.default_sampling_params()
         if not isinstance(params, list):
@@ -65,13 +65,16 @@ class LLM:
     def _add(self, prompt: Prompt, params: SamplingParams, results: dict, lora=None) -> str:
         """One engine request, or params.n of them (ids rid#i) forked from the first."""
         rid = str(next(self._ids))
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if isinstance(prompt, dict):
+            prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
         ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if params.n == 1 or params.use_beam_search:  # a beam group answers with n outputs
-            self.engine.add_request(rid, ids, params, lora_name=lora)
+            self.engine.add_request(rid, ids, params, lora_name=lora, cache_salt=salt)
         else:
             reqs = [
                 self.engine.make_request(
-                    f"{rid}#{i}", ids, sample_params(params, i), lora_name=lora
+                    f"{rid}#{i}", ids, sample_params(params, i), lora_name=lora, cache_salt=salt
                 )
                 for i in range(params.n)
             ]

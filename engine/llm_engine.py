@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.core.beam_search import BeamSearch, check_beam_request
-from engine.core.request import Request, RequestRejectedError, RequestStatus
+from engine.core.request import Request, RequestRejectedError, RequestStatus, check_cache_salt
 from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.distributed import check_tensor_parallel
 from engine.executor.executor import create_executor
@@ -125,6 +125,7 @@ class LLMEngine:
         params: SamplingParams,
         mm_inputs: list | None = None,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Builds and validates a request, once, for the server and the offline API alike.
 
@@ -149,6 +150,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             eos_token_ids=self.eos_token_ids,
         )
+        req.cache_salt = check_cache_salt(cache_salt)  # the tenant's; never shares blocks
         if mm_inputs:  # ImageInputs from self.mm_processor.expand
             if self.mm_processor is None:
                 msg = f"model {self.model_name!r} does not take images; send text only"
@@ -167,13 +169,12 @@ class LLMEngine:
         return req
 
     def _set_lora(self, req: Request, lora_name: str) -> None:
-        """The request runs under the adapter; its KV is salted with the adapter's content."""
+        """The request runs under the adapter; its KV is keyed by the adapter's content."""
         lora = self.lora_registry.get(lora_name) if self.lora_registry else None
         if lora is None:
             msg = f"The model `{lora_name}` does not exist."
             raise RequestRejectedError(msg, "model", "model_not_found")
         req.lora_request = lora
-        req.cache_salt = lora.cache_salt
 
     def add_request(
         self,
@@ -181,8 +182,10 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        self.add(self.make_request(request_id, prompt_token_ids, params, lora_name=lora_name))
+        self.add(self.make_request(
+            request_id, prompt_token_ids, params, lora_name=lora_name, cache_salt=cache_salt))
 
     def add(self, req: Request) -> None:
         """Queues a request built by make_request (nothing is checked twice)."""

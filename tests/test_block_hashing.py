@@ -111,12 +111,12 @@ print(json.dumps(out))
         assert [h.hex() for h in ours(algo, TOKENS[int(i)], extra)] == chain, key
 
 
-def _stored_events(algo: str, lora: LoRARequest | None, tokens: list[int]) -> list:
+def _stored_events(algo: str, lora: LoRARequest | None, tokens: list[int],
+                   salt: str | None = None) -> list:
     kv = KVCacheManager(32, BS, block_hash_algo=algo)
     kv.enable_kv_events()
     req = Request("r", tokens, SamplingParams(max_tokens=1))
-    if lora is not None:
-        req.lora_request, req.cache_salt = lora, lora.cache_salt
+    req.lora_request, req.cache_salt = lora, salt
     hits, num_hit = kv.get_computed_blocks(req)
     assert kv.allocate_slots(req, len(tokens), hits, num_hit) is not None
     return [e for e in to_events(kv.take_kv_events(), BS, (0,)) if e.__class__.__name__ ==
@@ -198,9 +198,96 @@ def test_extra_keys_follow_vllms_tags_for_images_and_salt():
 
     req = Request("r", list(range(3, 19)), SamplingParams(max_tokens=1))
     img = b"\x01" * 32
-    req.mm_spans, req.cache_salt = [(6, 5, img)], b"user-salt"
+    req.mm_spans, req.cache_salt = [(6, 5, img)], "user-salt"
     keys = [extra_keys(req, s, s + BS) for s in range(0, 16, BS)]
     assert keys == [(("cache_salt", "user-salt"),), (("mm", img.hex(), 2),),
                     (("mm", img.hex(), -2),), None]
     assert event_extra_keys(keys[1]) == ((img.hex(), 2),)
     assert event_extra_keys(keys[0]) == ("user-salt",)
+
+
+SQL = LoRARequest("sql", 3, "/adapters/sql", "ab" * 32)
+SQL_KEY = ("lora", "sql", "/adapters/sql")
+
+
+def salted_chain(algo: str, tokens, salt: str, lora_key: tuple | None = None) -> list[bytes]:
+    """vLLM's keys, written out: the adapter's on every block, ("cache_salt", salt) after it on
+    the first block only."""
+    base = (lora_key,) if lora_key else ()
+    first = expected_chain(algo, tokens[:BS], (*base, ("cache_salt", salt)))
+    return first + expected_chain(algo, tokens[BS:], base or None, parent=first[-1])
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+def test_salted_blocks_hash_as_vllms_with_and_without_an_adapter(algo, monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    tokens = TOKENS[1]
+    (salted,) = _stored_events(algo, None, tokens, "tenant-a")
+    want = salted_chain(algo, tokens, "tenant-a")
+    assert salted.block_hashes == [ext(h) for h in want]
+    assert salted.extra_keys == [("tenant-a",)] + [None] * (len(want) - 1)
+    assert want[0] != expected_chain(algo, tokens)[0]  # the salt is in the hash
+    (both,) = _stored_events(algo, SQL, tokens, "tenant-a")
+    want = salted_chain(algo, tokens, "tenant-a", SQL_KEY)
+    assert both.block_hashes == [ext(h) for h in want]
+    assert both.extra_keys == [("sql", "tenant-a")] + [("sql",)] * (len(want) - 1)
+    assert (both.lora_name, both.lora_id) == ("sql", 3)
+
+
+@pytest.mark.parametrize("algo", ["builtin", "sha256", "sha256_cbor"])
+def test_salts_and_adapters_each_split_the_cache(algo):
+    """Same tokens: blocks are shared only when salt and adapter are both equal."""
+    kv = KVCacheManager(64, BS, block_hash_algo=algo)
+    tokens, other = TOKENS[0], LoRARequest("chat", 4, "/adapters/chat", "cd" * 32)
+    identities = [(None, None), ("a", None), ("b", None), (None, SQL), ("a", SQL), ("a", other)]
+    for i, (salt, lora) in enumerate(identities):
+        req = Request(f"r{i}", tokens, SamplingParams(max_tokens=1))
+        req.cache_salt, req.lora_request = salt, lora
+        assert kv.get_computed_blocks(req)[1] == 0, (salt, lora)  # nobody else's blocks
+        assert kv.allocate_slots(req, len(tokens)) is not None
+        again = Request(f"again{i}", tokens, SamplingParams(max_tokens=1))
+        again.cache_salt, again.lora_request = salt, lora
+        assert kv.get_computed_blocks(again)[1] == 12, (salt, lora)  # its own: a hit
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PY.exists(), reason="vLLM's CPU build (bench/.venv-vllm) absent")
+def test_salted_chains_equal_vllms_own_extra_keys(monkeypatch):
+    """vLLM's generate_block_hash_extra_keys on a request with a salt (and an adapter)."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    tokens = TOKENS[1]
+    script = f"""
+import json
+from types import SimpleNamespace as NS
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils as k
+out = {{}}
+lora = NS(lora_name="sql", lora_path="/adapters/sql")
+for algo in ("sha256", "sha256_cbor"):
+    fn = get_hash_fn_by_name(algo)
+    k.init_none_hash(fn)
+    for with_lora in (False, True):
+        req = NS(mm_features=[], lora_request=lora if with_lora else None,
+                 cache_salt="tenant-a", prompt_embeds=None)
+        parent, chain = None, []
+        for b in range(len({tokens!r}) // {BS}):
+            extra, _ = k.generate_block_hash_extra_keys(req, b * {BS}, (b + 1) * {BS}, 0)
+            parent = k.hash_block_tokens(fn, parent, {tokens!r}[b * {BS}:(b + 1) * {BS}], extra)
+            chain.append(bytes(parent).hex())
+        out[f"{{algo}} {{with_lora}}"] = chain
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    run = subprocess.run([str(VLLM_PY), "-c", script], capture_output=True, text=True,
+                         env=env, timeout=300, check=True)
+    theirs = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(theirs) == 4
+    for key, chain in theirs.items():
+        algo, with_lora = key.split()
+        req = Request("r", tokens, SamplingParams(max_tokens=1))
+        req.cache_salt, req.lora_request = "tenant-a", SQL if with_lora == "True" else None
+        hasher, parent, mine = VllmBlockHasher(algo), None, []
+        for start in range(0, len(tokens) - BS + 1, BS):
+            parent = hasher(parent, tokens[start : start + BS], req, start)
+            mine.append(parent.hex())
+        assert mine == chain, key

@@ -77,7 +77,7 @@ def test_extra_keys_separate_identical_tokens():
     kv = KVCacheManager(num_blocks=32, block_size=4)
     _finish_after(kv, make_request("base", 13))
     salted = make_request("salted", 13)
-    salted.cache_salt = b"adapter-a"
+    salted.cache_salt = "tenant-a"
     assert kv.get_computed_blocks(salted)[1] == 0
     image = make_request("image", 13)
     image.mm_spans = [(5, 2, b"img-1")]  # tokens 5..6: the second block

@@ -107,11 +107,8 @@ def extra_keys(request, start: int, end: int) -> tuple | None:
     for s, n, h in request.mm_spans:
         if end > s and start < s + n:
             keys.append(("mm", h.hex(), s - start))
-    salt = request.cache_salt
-    if lora is not None and salt == lora.cache_salt:
-        salt = b""  # the adapter's identity, already keyed above as vLLM keys it
-    if salt and start == 0:
-        keys.append(("cache_salt", salt.decode("utf-8", "backslashreplace")))
+    if request.cache_salt and start == 0:  # the user's salt; the adapter is keyed above
+        keys.append(("cache_salt", request.cache_salt))
     return tuple(keys) or None
 
 

@@ -34,7 +34,7 @@ def hold_for_fork(sched: Scheduler, child: Request) -> bool:
         return False
     if parent.all_token_ids != child.all_token_ids or parent.cache_salt != child.cache_salt:
         return False
-    if parent.mm_spans != child.mm_spans:
+    if parent.mm_spans != child.mm_spans or parent.lora_request != child.lora_request:
         return False
     sched.fork_waiting.setdefault(parent.request_id, []).append(child)
     return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 
 from engine.sampling_params import SamplingParams
@@ -14,6 +15,26 @@ class RequestRejectedError(ValueError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param, self.code = param, code
+
+
+MAX_CACHE_SALT_LENGTH = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def check_cache_salt(salt: object) -> str | None:
+    """vLLM's rule for a request's cache_salt: None, or a non-empty string of at most 128
+    characters without '@', '/', '\\' or NUL. RequestRejectedError (param cache_salt) else."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        got = "an empty string" if salt == "" else type(salt).__name__
+        msg = f"cache_salt must be a non-empty string if provided (got {got})"
+        raise RequestRejectedError(msg, "cache_salt")
+    if len(salt) > MAX_CACHE_SALT_LENGTH or not _CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        msg = (f"cache_salt must be at most {MAX_CACHE_SALT_LENGTH} characters and must not "
+               "contain '@', '/', '\\' or NUL")
+        raise RequestRejectedError(msg, "cache_salt")
+    return salt
 
 
 class RequestStatus(enum.IntEnum):
@@ -73,11 +94,12 @@ class Request:
         # llguidance.LLMatcher when the output follows a grammar: it has consumed exactly the
         # output tokens so far (the sampler masks and advances it), whatever the KV holds.
         self.grammar = None
-        # Prefix-cache identity beyond the token ids (vLLM's "extra keys"): cache_salt goes into
-        # the first block's hash and so, chained, into every block's (a LoRA adapter's content
-        # identity, a user's salt); mm_spans is (start, length, content hash) per image, hashed
-        # into every block that holds one of the image's placeholder tokens.
-        self.cache_salt: bytes = b""
+        # Prefix-cache identity beyond the token ids (vLLM's "extra keys"): the user's
+        # cache_salt (vLLM's request field) and the LoRA adapter's content identity go into the
+        # first block's hash and so, chained, into every block's (salt_key); mm_spans is (start,
+        # length, content hash) per image, hashed into every block that holds one of the image's
+        # placeholder tokens.
+        self.cache_salt: str | None = None
         self.mm_spans: list[tuple[int, int, bytes]] = []
         # engine.multimodal.inputs.ImageInput per image (its span and pixels), for the runner
         self.mm_inputs: list = []
@@ -89,9 +111,19 @@ class Request:
         # engine.core.pooling.PoolingParams: pooled when its prompt is computed, never sampled
         self.pooling_params = None
 
+    @property
+    def salt_key(self) -> bytes:
+        """The first block's own key: the adapter's content identity, then the user's salt as
+        a fixed-length digest (so no salt can spell another's salt plus an image hash)."""
+        key = self.lora_request.cache_salt if self.lora_request is not None else b""
+        if self.cache_salt:
+            key += b"salt:" + hashlib.sha256(self.cache_salt.encode("utf-8")).digest()
+        return key
+
     def block_extra_keys(self, start: int, end: int) -> bytes:
         """Extra hash keys of the block holding token positions [start, end)."""
-        keys = [self.cache_salt] if start == 0 and self.cache_salt else []
+        salt = self.salt_key if start == 0 else b""
+        keys = [salt] if salt else []
         keys += [h for s, n, h in self.mm_spans if s < end and s + n > start]
         return b"".join(keys)
 

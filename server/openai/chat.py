@@ -256,7 +256,7 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest, request
     choices = plan_choices(f"{request_id}-{uuid.uuid4().hex[:8]}", [prompt_ids], [params])
     for c in choices:
         c.mm_inputs = mm_inputs
-    make_requests(ctx, choices, "messages", body.model)
+    make_requests(ctx, choices, "messages", body.model, body.cache_salt)
     return ChatRun(request_id, prompt_ids, choices, plan)
 
 

@@ -96,7 +96,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest):
     # Engine ids stay unique even when a client reuses its X-Request-Id.
     base_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
     choices = plan_choices(base_id, prompts, [params] * len(prompts))
-    make_requests(ctx, choices, "prompt", body.model)
+    make_requests(ctx, choices, "prompt", body.model, body.cache_salt)
     echoes = _echo_texts(ctx, body, prompts)
     formatters = [CompletionChoiceFormatter(ctx, c, echoes[c.prompt_idx], body) for c in choices]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer
 
+from engine.core.request import check_cache_salt
 from engine.sampling_params import GrammarError, GrammarSpec, SamplingParams, SamplingParamsError
 
 
@@ -149,6 +150,10 @@ class SamplingRequest(BaseModel):
 
     # a vLLM extra that would change the output if ignored: refused
     prompt_logprobs: int | None = None
+    # vLLM's tenant salt for the prefix cache: requests share KV blocks only under equal salts
+    cache_salt: str | None = None
+
+    _check_cache_salt = field_validator("cache_salt", mode="before")(check_cache_salt)
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:

@@ -11,8 +11,9 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
+from engine.core.request import check_cache_salt
 from engine.sampling_params import SamplingParamsError
 from server.openai.protocol import ChatCompletionRequest
 
@@ -39,6 +40,9 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     metadata: dict | None = None
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's: the prefix cache per tenant
+
+    _check_cache_salt = field_validator("cache_salt", mode="before")(check_cache_salt)
 
     def to_chat_request(self, history: list[dict] | None = None) -> ChatCompletionRequest:
         """`history`: the items of the previous response's conversation, before the input."""
@@ -52,6 +56,7 @@ class ResponsesRequest(BaseModel):
             tool_choice=_chat_tool_choice(self.tool_choice),
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=_response_format(self.text),
+            cache_salt=self.cache_salt,
         )
 
     def input_items(self) -> list[dict]:

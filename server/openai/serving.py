@@ -164,13 +164,14 @@ def plan_choices(
 
 
 def make_requests(
-    ctx: ServingContext, choices: list[ChoiceRequest], prompt_param: str, model: str | None = None
+    ctx: ServingContext, choices: list[ChoiceRequest], prompt_param: str, model: str | None = None,
+    cache_salt: str | None = None,
 ) -> None:
     """Every refusal (400 / 503), once per choice, before any output: the engine's Requests.
 
     The engine names prompt problems (vocabulary, context length) "prompt"; the endpoint's
     field for them is `prompt_param` ("messages" for chat). `model` (the body's) picks a LoRA
-    adapter when it names one.
+    adapter when it names one; `cache_salt` (the body's) keeps the prefix cache per tenant.
     """
     lora = ctx.lora_name_for(model)
     for c in choices:
@@ -180,6 +181,8 @@ def make_requests(
             kwargs = {"mm_inputs": c.mm_inputs} if c.mm_inputs else {}
             if lora is not None:
                 kwargs["lora_name"] = lora
+            if cache_salt is not None:
+                kwargs["cache_salt"] = cache_salt
             c.request = ctx.engine.make_request(c.request_id, c.prompt_ids, c.params, **kwargs)
         except Exception as e:  # noqa: BLE001 - mapped to 400 / 503 by engine_error
             err = engine_error(e)
