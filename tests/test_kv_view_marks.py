@@ -46,7 +46,7 @@ def test_forked_requests_share_blocks_and_name_their_copies():
     assert body["counters"]["num_forks_total"] == 1
     assert body["counters"]["num_cow_copies_total"] == kv.num_cow_copies_total == 1
     assert body["counters"]["kv_tier_queries_total"] == -1  # no tier configured
-    assert (ref_counts(snap).tolist() == [b.ref_cnt for b in kv.block_pool.blocks])
+    assert ref_counts(snap).tolist() == [b.ref_cnt for b in kv.block_pool.blocks]
     # the stream carries the same marks; a finished fork's copy loses its mark
     encoder = StreamEncoder()
     first = json.loads(encoder.encode(snap).split("data: ", 1)[1])
@@ -119,14 +119,16 @@ def test_image_blocks_are_marked(tmp_path):
         req = engine.scheduler.requests.get("img")
         if req is None or not snap.requests:
             continue
-        (start, length, _), = req.mm_spans
+        ((start, length, _),) = req.mm_spans
         body = snapshot_payload(snap)
         table = next(r for r in body["requests"] if r["request_id"] == "img")["block_table"]
         want = table[start // BS : (start + length - 1) // BS + 1]
         assert body["block_marks"]["image"] == sorted(want) and want
         txt = [r for r in body["requests"] if r["request_id"] == "txt"]
         assert not txt or not set(txt[0]["block_table"]) & set(want)
-        assert next(r for r in body["requests"] if r["request_id"] == "img")[
-            "num_image_tokens"] == length
+        assert (
+            next(r for r in body["requests"] if r["request_id"] == "img")["num_image_tokens"]
+            == length
+        )
         seen = True
     assert seen
