@@ -242,11 +242,30 @@ def events_between(prev: KVSnapshot, cur: KVSnapshot) -> list[dict]:
     window_free = _window_free(prev, cur)
     if window_free:
         events.append(window_free)
+    events += _fork_and_tier_events(prev, cur)
     extra = (cur.num_preemptions_total - prev.num_preemptions_total) - sum(
         e["type"] == "preemption" for e in events
     )
     if extra > 0:  # preempted and resumed between two snapshots: counted, not named
         events.append({"type": "preemption", "request_id": None, "count": extra})
+    return events
+
+
+def _fork_and_tier_events(prev: KVSnapshot, cur: KVSnapshot) -> list[dict]:
+    """Forks, copy-on-write copies and tier hits since the previous snapshot: exact counts
+    (the engine's counters), the ids of the marked blocks that are new."""
+    events = []
+    num_forks = cur.num_forks_total - prev.num_forks_total
+    if num_forks > 0:
+        events.append({"type": "fork", "count": num_forks})
+    num_copies = cur.num_cow_copies_total - prev.num_cow_copies_total
+    if num_copies > 0:
+        new = sorted(set(cur.cow_blocks) - set(prev.cow_blocks))
+        events.append({"type": "cow", "num_blocks": num_copies, "block_ids": new})
+    num_hit = cur.kv_tier_hit_tokens_total - prev.kv_tier_hit_tokens_total
+    if num_hit > 0:
+        new = sorted(set(cur.tier_blocks) - set(prev.tier_blocks))
+        events.append({"type": "tier_hit", "num_tokens": num_hit, "block_ids": new})
     return events
 
 
@@ -411,7 +430,7 @@ def build_kv_router(view: KVView) -> APIRouter:
         """`event: snapshot` first (every block as base64 codes, see the module docs), then
         `event: update` with `changes` ([block_id, code, ...]) or `blocks`, `requests`,
         `kv_cache_groups`, `counters` and `events` (preemption, prefix_hit, eviction,
-        window_free)."""
+        window_free, fork, cow, tier_hit)."""
         index = parse_group(view, group)
         is_draining = getattr(request.app.state, "is_draining", lambda: False)
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

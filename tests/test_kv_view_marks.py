@@ -31,6 +31,8 @@ def test_forked_requests_share_blocks_and_name_their_copies():
     tables = BlockTableCopies()
     run_fake_step(sched)
     snap = take_snapshot(sched, tables=tables)
+    encoder = StreamEncoder()
+    encoder.encode(snap)
     assert snap.num_forks_total == 0 and not snap.cow_blocks
     assert [r.forked for r in snap.requests] == [False]
     out, _ = run_fake_step(sched)  # the fork: the child's write into the partial block copies
@@ -47,10 +49,13 @@ def test_forked_requests_share_blocks_and_name_their_copies():
     assert body["counters"]["num_cow_copies_total"] == kv.num_cow_copies_total == 1
     assert body["counters"]["kv_tier_queries_total"] == -1  # no tier configured
     assert ref_counts(snap).tolist() == [b.ref_cnt for b in kv.block_pool.blocks]
-    # the stream carries the same marks; a finished fork's copy loses its mark
-    encoder = StreamEncoder()
-    first = json.loads(encoder.encode(snap).split("data: ", 1)[1])
-    assert first["block_marks"]["cow"] == [copy[1]]
+    # the stream carries the same marks and names the fork and the copy; a finished fork's
+    # copy loses its mark
+    update = json.loads(encoder.encode(snap).split("data: ", 1)[1])
+    assert update["block_marks"]["cow"] == [copy[1]]
+    events = {e["type"]: e for e in update["events"]}
+    assert events["fork"]["count"] == 1
+    assert events["cow"] == {"type": "cow", "num_blocks": 1, "block_ids": [copy[1]]}
     run_until_done(sched)
     snap = take_snapshot(sched, tables=tables)
     assert snap.cow_blocks == () and not kv.cow_log
@@ -86,10 +91,13 @@ def test_tier_hits_are_marked_and_counted(tiny_model_dir, tmp_path):
     tier = engine.kv_offload.tier
     assert view.capture_now().tier_blocks == () and tier.hit_tokens_total == 0
     engine.add(engine.make_request("again", prompts[0] + [5, 6, 7], params))
-    loading, marked = False, set()
+    loading, marked, encoder, streamed = False, set(), StreamEncoder(), []
+    encoder.encode(view.capture_now())
     while engine.has_unfinished_requests():
         engine.step()
         snap = view.capture_now()
+        update = json.loads(encoder.encode(snap).split("data: ", 1)[1])
+        streamed += [e for e in update["events"] if e["type"] == "tier_hit"]
         loading |= "again" in snap.tier_loading
         mine = [r for r in snap.requests if r.request_id == "again"]
         if mine and snap.tier_blocks:
@@ -100,6 +108,8 @@ def test_tier_hits_are_marked_and_counted(tiny_model_dir, tmp_path):
             assert body["counters"]["kv_tier_hit_tokens_total"] == tier.hit_tokens_total > 0
     assert loading, "the request waited for its tier loads and the snapshot said so"
     assert len(marked) * BS == tier.hit_tokens_total
+    assert sum(e["num_tokens"] for e in streamed) == tier.hit_tokens_total
+    assert {b for e in streamed for b in e["block_ids"]} == marked
     llm.engine.shutdown()
 
 

@@ -309,6 +309,8 @@ def test_an_n2_request_shows_forked_shared_blocks_and_its_copy(context, server):
         assert page.is_visible("#legend-forked") and page.is_visible("#legend-cow")
         assert not page.is_visible("#legend-tier")  # this server has no KV tier
         assert page.locator("#requests li[data-forked]").count() == 2
+        page.wait_for_selector("#events li.fork", timeout=WAIT_MS)
+        assert "copy-on-write" in page.inner_text("#events li.cow")
         shot(page, "07-forked-blocks")
     finally:
         thread.join(timeout=120)

@@ -131,6 +131,16 @@
       text = `evicted ${e.num_blocks} cached block(s)` +
         (e.block_ids.length ? ` [${e.block_ids.join(", ")}]` : "");
       for (const b of e.block_ids) kv.flashes.set(b, { color: RGB.evicted, until: now + FLASH_MS });
+    } else if (e.type === "fork") {
+      text = `forked ${e.count} request(s): children share their parent's blocks`;
+    } else if (e.type === "cow") {
+      text = `copy-on-write: ${e.num_blocks} shared block(s) copied before a write` +
+        (e.block_ids.length ? ` [${e.block_ids.join(", ")}]` : "");
+      for (const b of e.block_ids) kv.flashes.set(b, { color: RGB.cow, until: now + FLASH_MS });
+    } else if (e.type === "tier_hit") {
+      text = `KV tier hit: ${e.num_tokens} token(s) loaded back` +
+        (e.block_ids.length ? ` [${e.block_ids.join(", ")}]` : "");
+      for (const b of e.block_ids) kv.flashes.set(b, { color: RGB.tier, until: now + FLASH_MS });
     } else if (e.type === "window_free") {
       text = `window slid: ${e.num_blocks} block(s) returned to the pool` +
         (e.block_ids.length ? ` [${e.block_ids.join(", ")}]` : "");
