@@ -11,6 +11,12 @@ The first stream event (`snapshot`) carries every block; later ones (`update`) c
 the blocks whose code changed as flat [block_id, code, ...] pairs or, when many changed, all
 of them again, plus the requests, counters and the events since the previous update.
 
+Marks on top of the codes (`block_marks`, every event): `cow` blocks a copy-on-write made (a
+fork's request wrote into a shared block), `tier` blocks loaded back from the KV tier, `image`
+blocks holding image placeholder tokens; shared blocks are those with ref count > 1. Requests
+carry `forked` (shares blocks through a fork: an n > 1 sibling or a beam) and
+`num_image_tokens`; `tier_loading` names the requests waiting for tier loads.
+
 KV cache groups: a request has one block table per group (`groups`), `block_table` is group
 0's. An entry of -1 is a block that slid out of a sliding group's window and went back to the
 pool; ref counts and occupancy count real blocks only. `kv_cache_groups` describes each group.
@@ -94,6 +100,30 @@ def counters(snap: KVSnapshot, ref: np.ndarray) -> dict:
         "prefix_cache_queries_total": queries,
         "prefix_cache_hits_total": hits,
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        "num_forks_total": snap.num_forks_total,
+        "num_cow_copies_total": snap.num_cow_copies_total,
+        "kv_tier_hit_tokens_total": snap.kv_tier_hit_tokens_total,
+        "kv_tier_queries_total": snap.kv_tier_queries_total,  # -1: no KV tier
+    }
+
+
+def image_blocks(snap: KVSnapshot) -> list[int]:
+    """Held blocks (every group) holding an image's placeholder tokens, ascending."""
+    bs, out = snap.block_size, set()
+    for r in snap.requests:
+        for start, length, *_ in r.mm_spans:
+            first, last = start // bs, (start + length - 1) // bs
+            for table in r.tables:
+                out.update(b for b in table[first : last + 1] if b >= 0)
+    return sorted(out)
+
+
+def block_marks(snap: KVSnapshot) -> dict:
+    """Block ids the map marks on top of their state (ref counts say which are shared)."""
+    return {
+        "cow": sorted(snap.cow_blocks),  # made by a copy-on-write, still held where copied to
+        "tier": sorted(snap.tier_blocks),  # loaded back from the KV tier, same content since
+        "image": image_blocks(snap),  # holding image placeholder tokens
     }
 
 
@@ -144,6 +174,8 @@ def _requests(snap: KVSnapshot, group: int | None = None) -> list[dict]:
                 "num_prompt_tokens": r.num_prompt_tokens,
                 "num_cached_tokens": r.num_cached_tokens,
                 "num_preemptions": r.num_preemptions,
+                "forked": r.forked,
+                "num_image_tokens": sum(span[1] for span in r.mm_spans),
                 "groups": groups,
             }
         )
@@ -162,6 +194,8 @@ def _header(
         "kv_cache_groups": kv_cache_groups(snap, per_group, ref),
         "requests": _requests(snap, group),
         "waiting": [{"request_id": rid, "num_preemptions": n} for rid, n in snap.waiting],
+        "tier_loading": list(snap.tier_loading),
+        "block_marks": block_marks(snap),
     }
 
 
@@ -208,11 +242,30 @@ def events_between(prev: KVSnapshot, cur: KVSnapshot) -> list[dict]:
     window_free = _window_free(prev, cur)
     if window_free:
         events.append(window_free)
+    events += _fork_and_tier_events(prev, cur)
     extra = (cur.num_preemptions_total - prev.num_preemptions_total) - sum(
         e["type"] == "preemption" for e in events
     )
     if extra > 0:  # preempted and resumed between two snapshots: counted, not named
         events.append({"type": "preemption", "request_id": None, "count": extra})
+    return events
+
+
+def _fork_and_tier_events(prev: KVSnapshot, cur: KVSnapshot) -> list[dict]:
+    """Forks, copy-on-write copies and tier hits since the previous snapshot: exact counts
+    (the engine's counters), the ids of the marked blocks that are new."""
+    events = []
+    num_forks = cur.num_forks_total - prev.num_forks_total
+    if num_forks > 0:
+        events.append({"type": "fork", "count": num_forks})
+    num_copies = cur.num_cow_copies_total - prev.num_cow_copies_total
+    if num_copies > 0:
+        new = sorted(set(cur.cow_blocks) - set(prev.cow_blocks))
+        events.append({"type": "cow", "num_blocks": num_copies, "block_ids": new})
+    num_hit = cur.kv_tier_hit_tokens_total - prev.kv_tier_hit_tokens_total
+    if num_hit > 0:
+        new = sorted(set(cur.tier_blocks) - set(prev.tier_blocks))
+        events.append({"type": "tier_hit", "num_tokens": num_hit, "block_ids": new})
     return events
 
 
@@ -377,7 +430,7 @@ def build_kv_router(view: KVView) -> APIRouter:
         """`event: snapshot` first (every block as base64 codes, see the module docs), then
         `event: update` with `changes` ([block_id, code, ...]) or `blocks`, `requests`,
         `kv_cache_groups`, `counters` and `events` (preemption, prefix_hit, eviction,
-        window_free)."""
+        window_free, fork, cow, tier_hit)."""
         index = parse_group(view, group)
         is_draining = getattr(request.app.state, "is_draining", lambda: False)
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -255,6 +255,69 @@ def test_two_chats_with_one_system_prompt_share_blocks_with_ref_count_2(context,
     log2.assert_clean()
 
 
+def _cell_pixel(page, block: int, dx: int | None = None) -> list[int]:
+    """The pixel of block's cell at dx from its left edge (None: the centre), as drawn now."""
+    return page.evaluate(
+        """([b, dx]) => {
+          const kv = window.pagedserveKV, canvas = document.getElementById('kv-canvas');
+          kv.drawNow();
+          const g = kv.geometry, ctx = canvas.getContext('2d');
+          const x = (b % g.cols) * g.cell + (dx === null ? Math.floor(g.cell / 2) : dx);
+          const y = Math.floor(b / g.cols) * g.cell + Math.floor(g.cell / 2);
+          return Array.from(ctx.getImageData(x, y, 1, 1).data.slice(0, 3));
+        }""",
+        [block, dx],
+    )
+
+
+FORKED_RGB = [194, 65, 12]
+COW_RGB = [219, 39, 119]
+
+
+def test_an_n2_request_shows_forked_shared_blocks_and_its_copy(context, server):
+    wait_idle(server)
+    page, log = open_playground(context, server)
+    body = {"model": "tiny", "prompt": list(range(30, 80)), "max_tokens": 120, "n": 2,
+            "temperature": 0.8, "seed": 1, "ignore_eos": True}  # fmt: skip
+    errors: list[BaseException] = []
+
+    def complete() -> None:
+        try:
+            r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=300)
+            r.raise_for_status()
+            assert len(r.json()["choices"]) == 2
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            errors.append(e)
+
+    thread = threading.Thread(target=complete)
+    thread.start()
+    try:
+        wait_kv(
+            page,
+            "kv.requests.filter((r) => r.forked).length === 2 && kv.marks.cow.size > 0 && "
+            "Array.from(kv.marks.forked).some((b) => (kv.codes[b] & 127) === 2)",
+        )
+        shared, cow = kv_eval(
+            page,
+            "[Array.from(kv.marks.forked).find((b) => (kv.codes[b] & 127) === 2), "
+            "Array.from(kv.marks.cow)[0]]",
+        )
+        assert _cell_pixel(page, shared) == FORKED_RGB  # the fork's shared block, filled
+        assert _cell_pixel(page, cow, dx=4) == COW_RGB  # the copy, outlined
+        forks, copies = (int(x) for x in page.inner_text("#c-forks").split(" / "))
+        assert forks >= 1 and copies >= 1
+        assert page.is_visible("#legend-forked") and page.is_visible("#legend-cow")
+        assert not page.is_visible("#legend-tier")  # this server has no KV tier
+        assert page.locator("#requests li[data-forked]").count() == 2
+        page.wait_for_selector("#events li.fork", timeout=WAIT_MS)
+        assert "copy-on-write" in page.inner_text("#events li.cow")
+        shot(page, "07-forked-blocks")
+    finally:
+        thread.join(timeout=120)
+    assert not errors, errors
+    log.assert_clean()
+
+
 def test_a_tiny_pool_shows_a_preemption(context, server):
     wait_idle(server)
     page, log = open_playground(context, server)

@@ -12,6 +12,7 @@ from engine.core.block_pool import BlockPool, KVCacheBlock
 from engine.core.kv_cache_groups import KVCacheSpec, KVGroup, make_groups
 from engine.core.kv_cache_groups import cdiv as cdiv  # callers import it from here
 from engine.core.kv_event_log import describe_stored, split_key, stored_info
+from engine.core.kv_marks import new_log
 from engine.core.request import Request
 
 _ROOT_HASH = b"pagedserve-root"
@@ -80,6 +81,7 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []
         self.replaced_tables: set[str] = set()
         self.num_cow_copies_total = 0
+        self.cow_log = new_log()  # recent copies, for the KV map (engine/core/kv_marks.py)
         self.tier = None  # the second KV tier (engine/core/kv_tier.py) holds blocks while loading
 
     @property
@@ -253,6 +255,7 @@ class KVCacheManager:
             group.req_to_block_ids[rid][i] = new.block_id
             pool.free_blocks([old])  # ref > 1: only a reference goes
             self.pending_copies.append((old.block_id, new.block_id))
+            self.cow_log.append((new.block_id, rid, group.index, i))
         self.num_cow_copies_total += len(cow)
         self.replaced_tables.add(rid)
 

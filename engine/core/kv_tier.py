@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from engine.core.block_pool import KVCacheBlock
 from engine.core.kv_event_log import describe_stored, stored_info
+from engine.core.kv_marks import new_log
 from engine.core.request import Request
 
 _MAX_LOADS_PER_REQUEST = 2  # a prefix evicted again before its request runs is loaded once more
@@ -46,6 +47,7 @@ class KVTier:
         self.hit_tokens_total = 0  # prompt tokens served from the tier
         self.queries_total = 0  # prompt tokens looked up in the tier (past the pool's hit)
         self.num_failed_loads_total = 0
+        self.load_log = new_log()  # recently loaded blocks, for the KV map (kv_marks.py)
 
     # ---- per step ----------------------------------------------------------------------------
     def take_stores(self) -> list[tuple[int, bytes]]:
@@ -83,6 +85,7 @@ class KVTier:
         for block, key, ok in entry.loads.values():
             if ok and key not in cached:
                 self.pool.cache_block(block, key)
+                self.load_log.append((block.block_id, self.pool.hash_tags[block.block_id]))
             if ok and len(key) == 32:
                 num_ok += 1  # group 0's keys are the bare 32-byte hash: one per block
             self.num_failed_loads_total += not ok

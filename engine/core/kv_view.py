@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from engine.core.kv_marks import live_cow_blocks, live_tier_blocks
 from engine.core.scheduler import Scheduler
 
 MAX_UPDATES_PER_S = 10.0
@@ -51,6 +52,8 @@ class RequestBlocks(NamedTuple):  # a tuple: built 256 times per capture, cheapl
     num_preemptions: int
     # One table per KV cache group, block_tables[0] is block_table; () with a single group.
     block_tables: tuple[array, ...] = ()
+    forked: bool = False  # shares blocks through a fork (n > 1 sibling or beam), until freed
+    mm_spans: tuple = ()  # (start, length, content hash) of each image's placeholder tokens
 
     @property
     def tables(self) -> tuple[array, ...]:
@@ -78,6 +81,14 @@ class KVSnapshot:
     group_windows: tuple[int, ...] = (0,)  # per KV cache group: 0 full attention, else W
     hash_groups: bytes = b""  # per block: the group of its prefix-cache hash; b"": all group 0
     num_window_freed_blocks_total: tuple[int, ...] = ()  # per group, sliding groups only > 0
+    # engine/core/kv_marks.py: blocks a copy-on-write made / the KV tier loaded, still so
+    cow_blocks: tuple[int, ...] = ()
+    tier_blocks: tuple[int, ...] = ()
+    tier_loading: tuple[str, ...] = ()  # requests waiting for their prefix to load from the tier
+    num_forks_total: int = 0
+    num_cow_copies_total: int = 0
+    kv_tier_hit_tokens_total: int = 0
+    kv_tier_queries_total: int = 0  # -1: no tier
 
 
 @dataclass
@@ -171,6 +182,7 @@ def take_snapshot(
         tables.retain({(r.request_id, r.num_preemptions) for r in requests})
     totals = totals or _Totals()
     hybrid = kv.is_hybrid
+    tier = scheduler.kv_tier
     return KVSnapshot(
         seq=seq,
         time=time.time(),
@@ -191,6 +203,13 @@ def take_snapshot(
         num_window_freed_blocks_total=(
             tuple(g.num_window_freed_blocks_total for g in groups) if hybrid else ()
         ),
+        cow_blocks=live_cow_blocks(groups, kv.cow_log),
+        tier_blocks=live_tier_blocks(pool, tier.load_log) if tier is not None else (),
+        tier_loading=tuple(itertools.islice(tier.loading, MAX_WAITING_LISTED)) if tier else (),
+        num_forks_total=scheduler.num_forks_total,
+        num_cow_copies_total=kv.num_cow_copies_total,
+        kv_tier_hit_tokens_total=tier.hit_tokens_total if tier is not None else 0,
+        kv_tier_queries_total=tier.queries_total if tier is not None else -1,
     )
 
 
@@ -200,6 +219,7 @@ def _requests(scheduler: Scheduler, tables: BlockTableCopies) -> list[RequestBlo
     get_block_ids, copy = kv.get_block_ids, tables.copy
     sliding = kv.groups[0].window > 0
     to_blocks = kv.groups[0].req_to_blocks
+    forked = kv.fork_members
     return [
         RequestBlocks(
             r.request_id,
@@ -215,6 +235,9 @@ def _requests(scheduler: Scheduler, tables: BlockTableCopies) -> list[RequestBlo
             r.num_prompt_tokens,
             max(r.num_cached_tokens, 0),
             r.num_preemptions,
+            (),
+            bool(forked) and r.request_id in forked,
+            tuple(r.mm_spans) if r.mm_spans else (),
         )
         for r in scheduler.running
     ]
@@ -223,6 +246,7 @@ def _requests(scheduler: Scheduler, tables: BlockTableCopies) -> list[RequestBlo
 def _hybrid_requests(scheduler: Scheduler, tables: BlockTableCopies) -> list[RequestBlocks]:
     """Several groups: one copy per group, sliding ones with their placeholders marked."""
     groups = scheduler.kv_cache_manager.groups
+    forked = scheduler.kv_cache_manager.fork_members
     copy = tables.copy
     out = []
     for r in scheduler.running:
@@ -247,6 +271,8 @@ def _hybrid_requests(scheduler: Scheduler, tables: BlockTableCopies) -> list[Req
                 max(r.num_cached_tokens, 0),
                 num_preemptions,
                 per_group,
+                rid in forked,
+                tuple(r.mm_spans) if r.mm_spans else (),
             )
         )
     return out

@@ -14,6 +14,10 @@
     hit: [124, 58, 237],
     evicted: [220, 38, 38],
     windowFreed: [13, 148, 136],
+    forked: [194, 65, 12], // shared through a fork (n > 1 or beams), not just a prefix hit
+    cow: [219, 39, 119], // outline: made by a copy-on-write
+    tier: [8, 145, 178], // outline: loaded back from the KV tier
+    image: [79, 70, 229], // corner: holds image placeholder tokens
   };
   const MAX_CELL_PX = 28;
   const MAX_MAP_PX = 300;
@@ -34,6 +38,8 @@
     selected: null, // request id whose block table is shown
     follow: null, // X-Request-Id of the page's own newest request: selected when it appears
     flashes: new Map(), // block id -> {color, until}
+    marks: { cow: new Set(), tier: new Set(), image: new Set(), forked: new Set() },
+    tierLoading: [], // requests waiting for their prefix to load from the KV tier
     events: [],
   };
   window.pagedserveKV = kv;
@@ -67,6 +73,7 @@
     kv.groups = body.kv_cache_groups || [];
     kv.waiting = body.waiting;
     kv.counters = body.counters;
+    applyMarks(body);
     kv.seq = body.seq;
     kv.numUpdates++;
     if (kv.follow) {
@@ -84,6 +91,18 @@
     renderRequests();
     renderBlockTable();
     requestDraw();
+  }
+
+  function applyMarks(body) {
+    // block_marks: ids (server/kv_api.py); forked: blocks held by a forked request
+    const m = body.block_marks || {};
+    const forked = new Set();
+    for (const r of kv.requests) if (r.forked) for (const b of heldIds(r)) forked.add(b);
+    kv.marks = { cow: new Set(m.cow || []), tier: new Set(m.tier || []),
+      image: new Set(m.image || []), forked };
+    kv.tierLoading = body.tier_loading || [];
+    const c = body.counters || {};
+    $("legend-tier").hidden = !(c.kv_tier_queries_total >= 0);
   }
 
   function connectKV() {
@@ -112,6 +131,16 @@
       text = `evicted ${e.num_blocks} cached block(s)` +
         (e.block_ids.length ? ` [${e.block_ids.join(", ")}]` : "");
       for (const b of e.block_ids) kv.flashes.set(b, { color: RGB.evicted, until: now + FLASH_MS });
+    } else if (e.type === "fork") {
+      text = `forked ${e.count} request(s): children share their parent's blocks`;
+    } else if (e.type === "cow") {
+      text = `copy-on-write: ${e.num_blocks} shared block(s) copied before a write` +
+        (e.block_ids.length ? ` [${e.block_ids.join(", ")}]` : "");
+      for (const b of e.block_ids) kv.flashes.set(b, { color: RGB.cow, until: now + FLASH_MS });
+    } else if (e.type === "tier_hit") {
+      text = `KV tier hit: ${e.num_tokens} token(s) loaded back` +
+        (e.block_ids.length ? ` [${e.block_ids.join(", ")}]` : "");
+      for (const b of e.block_ids) kv.flashes.set(b, { color: RGB.tier, until: now + FLASH_MS });
     } else if (e.type === "window_free") {
       text = `window slid: ${e.num_blocks} block(s) returned to the pool` +
         (e.block_ids.length ? ` [${e.block_ids.join(", ")}]` : "");
@@ -147,6 +176,11 @@
     $("c-evictions").textContent = String(c.num_evictions_total);
     $("c-window-freed").textContent = String(c.num_window_freed_blocks_total || 0);
     $("c-queue").textContent = `${c.num_running} / ${c.num_waiting}`;
+    $("c-forks").textContent = `${c.num_forks_total || 0} / ${c.num_cow_copies_total || 0}`;
+    $("c-tier").textContent = c.kv_tier_queries_total >= 0
+      ? `${c.kv_tier_hit_tokens_total} / ${c.kv_tier_queries_total} tokens` +
+        (kv.tierLoading.length ? ` · ${kv.tierLoading.length} loading` : "")
+      : "off";
   }
 
   function renderGroups() {
@@ -182,7 +216,10 @@
       li.textContent = `${r.request_id} · ${heldIds(r).length} blocks held · ` +
         `${r.num_computed_tokens}/${r.num_tokens} tokens computed` +
         (r.num_cached_tokens ? ` · ${r.num_cached_tokens} from the prefix cache` : "") +
-        (r.num_preemptions ? ` · preempted ${r.num_preemptions}×` : "");
+        (r.num_preemptions ? ` · preempted ${r.num_preemptions}×` : "") +
+        (r.forked ? " · forked" : "") +
+        (r.num_image_tokens ? ` · ${r.num_image_tokens} image tokens` : "");
+      if (r.forked) li.dataset.forked = "1";
       if (r.request_id === kv.selected) li.className = "selected";
       li.addEventListener("click", () => {
         kv.selected = r.request_id;
@@ -292,13 +329,16 @@
   }
 
   function blockColor(code, selectedSet, b) {
-    const c = stateColor(code);
+    // one colour a block (pixels): a mark wins over the state
+    const m = kv.marks;
+    const c = m.cow.has(b) ? RGB.cow : m.tier.has(b) ? RGB.tier : m.image.has(b) ? RGB.image
+      : stateColor(code, b);
     return selectedSet.has(b) ? shade(c) : c;
   }
 
-  function stateColor(code) {
+  function stateColor(code, b) {
     const ref = refOf(code);
-    if (ref > 1) return RGB.shared;
+    if (ref > 1) return kv.marks.forked.has(b) ? RGB.forked : RGB.shared;
     if (ref === 1) return RGB.held;
     return isHashed(code) ? RGB.cached : RGB.free;
   }
@@ -386,9 +426,16 @@
       const x = (b % cols) * cell, y = Math.floor(b / cols) * cell;
       const roomy = cell >= 10; // room for an outline around a visible fill
       const selected = selectedSet.has(b);
-      const c = selected && !roomy ? shade(stateColor(code)) : stateColor(code);
+      const state = stateColor(code, b);
+      const c = selected && !roomy ? shade(state) : state;
       ctx.fillStyle = `rgb(${c[0]},${c[1]},${c[2]})`;
       ctx.fillRect(x, y, cell - gap, cell - gap);
+      if (roomy) drawMarks(b, x, y, cell - gap);
+      else if (kv.marks.cow.has(b) || kv.marks.tier.has(b) || kv.marks.image.has(b)) {
+        const mc = blockColor(code, selectedSet, b); // too small for outlines: the mark's colour
+        ctx.fillStyle = `rgb(${mc[0]},${mc[1]},${mc[2]})`;
+        ctx.fillRect(x, y, cell - gap, cell - gap);
+      }
       const f = kv.flashes.get(b);
       const flash = f && f.until > now ? f.color : null;
       const outline = flash || (selected && roomy ? RGB.selected : null);
@@ -403,6 +450,27 @@
         ctx.fillStyle = "#111827";
         ctx.fillText(String(ref), x + (cell - gap) / 2, y + (cell - gap) / 2 + 1);
       }
+    }
+  }
+
+  function drawMarks(b, x, y, size) {
+    // copy-on-write / tier: an inner outline (inside the selection's); image: a corner
+    const m = kv.marks;
+    const line = m.cow.has(b) ? RGB.cow : m.tier.has(b) ? RGB.tier : null;
+    if (line) {
+      ctx.strokeStyle = `rgb(${line[0]},${line[1]},${line[2]})`;
+      ctx.lineWidth = 2;
+      ctx.strokeRect(x + 4, y + 4, size - 8, size - 8);
+    }
+    if (m.image.has(b)) {
+      const t = Math.max(Math.floor(size / 2.5), 3);
+      ctx.fillStyle = `rgb(${RGB.image[0]},${RGB.image[1]},${RGB.image[2]})`;
+      ctx.beginPath();
+      ctx.moveTo(x, y);
+      ctx.lineTo(x + t, y);
+      ctx.lineTo(x, y + t);
+      ctx.closePath();
+      ctx.fill();
     }
   }
 
@@ -431,7 +499,12 @@
       });
     }
     const what = geometry.perCell > 1 ? `blocks ${b}–${b + geometry.perCell - 1}` : `block ${b}`;
+    const m = kv.marks;
+    const marks = [m.forked.has(b) && refOf(code) > 1 ? "forked" : "",
+      m.cow.has(b) ? "copy-on-write copy" : "", m.tier.has(b) ? "loaded from the KV tier" : "",
+      m.image.has(b) ? "image tokens" : ""].filter(Boolean);
     tip.textContent = `${what}: ref ${refOf(code)}` + (isHashed(code) ? ", prefix-cached" : "") +
+      (marks.length ? `, ${marks.join(", ")}` : "") +
       (holders.length ? ` · ${holders.join(", ")}` : "");
     tip.style.left = `${event.offsetX + 12}px`;
     tip.style.top = `${event.offsetY + 12}px`;
