@@ -4,12 +4,18 @@ prompts, in one run.
 
     PYTHONPATH=. python bench/beam_search.py [--width 4] [--max-tokens 32] [--prompts 4]
                                              [--vllm-venv bench/.venv-vllm] [--no-vllm]
+                                             [--threads N]
 
 All three load the dequantized float32 folder pagedserve makes from the packaged GGUF
 (~/.cache/pagedserve/SmolLM2-135M-Instruct). Each engine gets the prompts at once (token ids),
 width 4, length_penalty 1, EOS honoured. Reported: wall seconds (after a warm-up), returned
 tokens per second (every sequence's tokens / wall time), and how many prompts' width sequences
 equal transformers' (ids and order), and how many single sequences do.
+
+All three run with the same number of compute threads (OMP_NUM_THREADS, set before torch loads):
+by default the number vLLM's CPU worker takes, the usable cores less one (it keeps a core for
+its scheduler process). On a shared machine this matters more than anything in the engines: two
+OpenMP threads on two busy cores made every float32 matmul ~10x slower than one thread.
 """
 
 from __future__ import annotations
@@ -121,7 +127,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--vllm-venv", type=Path, default=ROOT / "bench" / ".venv-vllm")
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, len(os.sched_getaffinity(0)) - 1),
+        help="compute threads for every engine (default: vLLM's, the cores less one)",
+    )
     args = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch loads; inherited by vLLM
 
     from engine import LLM
 
@@ -141,7 +154,10 @@ def main() -> None:
             results["vLLM CPU"], note = out, "ran"
     ref = results["transformers"][1]
     ours_rate = None
-    print(f"beam search width {args.width}, {len(prompts)} prompts, max_tokens {args.max_tokens}")
+    print(
+        f"beam search width {args.width}, {len(prompts)} prompts, max_tokens {args.max_tokens}, "
+        f"{args.threads} thread(s)"
+    )
     print("| engine | wall s | tokens/s | vs pagedserve | prompts equal to HF | seqs equal |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, (wall, seqs) in results.items():

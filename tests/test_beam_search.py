@@ -241,3 +241,40 @@ def test_openai_client_completions_and_chat(beam_server, beam_model_dir, hf_mode
             model="tiny-beam", prompt="x", n=2, extra_body={**extra, "early_stopping": "sometimes"}
         )
     assert e.value.status_code == 400 and "early_stopping" in str(e.value)
+
+
+def test_forks_stay_within_max_num_seqs(beam_model_dir, hf_model):
+    """A beam group is admitted only when its whole width fits under max_num_seqs (its first
+    beam holds the seats its forks take), so running never exceeds it; a width past it is
+    refused naming n."""
+    from engine.core.request import RequestRejectedError
+
+    prompts = make_prompts(3, seed=47, min_len=6, max_len=8)
+    prompts[2] = make_prompts(1, seed=48, min_len=40, max_len=40)[0]
+    llm = _llm(beam_model_dir, max_num_seqs=5, max_num_batched_tokens=16)
+    sched = llm.engine.scheduler
+    peak, schedule = [0], sched.schedule
+
+    def counting_schedule():
+        out = schedule()
+        peak[0] = max(peak[0], len(sched.running))
+        return out
+
+    sched.schedule = counting_schedule
+    eos = _eos_ids(llm)
+    beam = SamplingParams(n=3, use_beam_search=True, max_tokens=8)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    pair = SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True)  # forks too
+    # the pair's first token comes while the long beam prompt is still in prefill chunks: its
+    # fork must leave the beam group's reserved seats alone
+    outs = llm.generate(prompts, [pair, greedy, beam], use_tqdm=False)
+    assert [c.token_ids for c in outs[2].outputs] == hf_beams(hf_model, prompts[2], 3, 8, eos)
+    outs = llm.generate(prompts, [beam] * 3, use_tqdm=False)
+    for i, p in enumerate(prompts):
+        assert [c.token_ids for c in outs[i].outputs] == hf_beams(hf_model, p, 3, 8, eos)
+    sched.schedule = schedule
+    assert peak[0] == 5  # full, never past it (without the reservation: 9)
+    _assert_all_free(llm)
+    with pytest.raises(RequestRejectedError) as e:
+        llm.engine.add_request("wide", prompts[0], SamplingParams(n=6, use_beam_search=True))
+    assert e.value.param == "n"

@@ -88,6 +88,12 @@ def check_beam_request(scheduler: Scheduler, params: SamplingParams) -> None:
     if scheduler.proposer is not None:
         msg = "use_beam_search is not supported with speculative decoding on this server"
         raise RequestRejectedError(msg, "use_beam_search")
+    if params.n > scheduler.max_num_seqs:
+        msg = (
+            f"n ({params.n}) is the beam width and may not exceed max_num_seqs "
+            f"({scheduler.max_num_seqs}): ask for fewer beams or raise --max-num-seqs"
+        )
+        raise RequestRejectedError(msg, "n")
 
 
 class BeamSearch:
@@ -112,6 +118,7 @@ class BeamSearch:
         )  # fmt: skip
         internal.logprobs = max(2, 1 + num_eos) * width  # past MAX_LOGPROBS: internal only
         req.sampling_params = internal
+        req.extra_seats = width - 1  # the forks' seats, held from admission (Scheduler)
         group = BeamGroup(
             req.request_id, params, width, internal.logprobs, max_new, [_Beam(req, 0.0)],
             req.arrival_time,
@@ -229,6 +236,8 @@ class BeamSearch:
             kept.add(req.request_id)
             req.all_token_ids.append(tok)
             beams.append(_Beam(req, score))
+        for b in g.beams:
+            b.req.extra_seats = 0  # the forks now hold their seats themselves
         self._free([b.req for b in g.beams if b.req.request_id not in kept])
         g.beams = beams
 

@@ -54,7 +54,8 @@ def fork_ready(sched: Scheduler) -> None:
             and parent.num_output_tokens == 1
             and parent.num_computed_tokens == parent.num_prompt_tokens
         ):
-            seats = max(sched.max_num_seqs - len(sched.running), 0)
+            held = len(sched.running) + sum(r.extra_seats for r in sched.running)  # beams'
+            seats = max(sched.max_num_seqs - held, 0)
             for child in children[:seats]:
                 _fork(sched, parent, child)
             children = children[seats:]

@@ -106,6 +106,9 @@ class Request:
         # n > 1: the sibling (same prompt) this request is forked from once that one has
         # computed the prompt (engine/core/forks.py); None: an ordinary request.
         self.fork_parent_id: str | None = None
+        # seats under max_num_seqs held beyond its own: a beam group's first beam holds the
+        # width - 1 its forks will take (engine/core/beam_search.py), 0 once they are forked
+        self.extra_seats = 0
         # the LoRA adapter this request runs under (engine/lora LoRARequest), None: the base
         self.lora_request = None
         # engine.core.pooling.PoolingParams: pooled when its prompt is computed, never sampled

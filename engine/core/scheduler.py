@@ -304,8 +304,11 @@ class Scheduler:
         """FCFS admission: the head of the queue is never overtaken, so nobody starves."""
         kv = self.kv_cache_manager
         now = time.monotonic()
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        seats = len(self.running) + sum(r.extra_seats for r in self.running)  # beam groups'
+        while self.waiting and budget > 0 and seats < self.max_num_seqs:
             req = self.waiting.peek()
+            if seats + req.extra_seats >= self.max_num_seqs:
+                break  # a beam group waits until its width fits
             if req.lora_request is not None and not self._lora_fits(req):
                 break  # --max-loras adapters run already: the head waits its turn (FCFS)
             hits, num_hit_tokens = kv.get_computed_blocks(req)
@@ -319,6 +322,7 @@ class Scheduler:
             self.encoder_budget.clip(req, num_hit_tokens, num_new)  # admitted: charge it
             self.waiting.popleft()
             self.running.append(req)
+            seats += 1 + req.extra_seats
             req.status = _RUNNING
             req.num_computed_tokens = num_hit_tokens
             if req.num_cached_tokens < 0:
