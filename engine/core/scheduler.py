@@ -14,13 +14,14 @@ import time
 from collections.abc import Iterable
 
 from engine.config import EngineConfig
+from engine.core.admission import check_fits
 from engine.core.block_pool import KVCacheBlock
 from engine.core.encoder_budget import EncoderBudget
 from engine.core.forks import drop_fork_waiting, fork_ready, hold_for_fork
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_tier import KVTier
-from engine.core.pooling import check_pooling_fits, finish_pooled
-from engine.core.request import Request, RequestRejectedError, RequestStatus
+from engine.core.pooling import finish_pooled
+from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import RequestQueue
 from engine.core.scheduler_output import SchedulerOutput
 from engine.outputs import ModelRunnerOutput
@@ -83,49 +84,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def check_fits(self, request: Request) -> None:
-        """Reject what could never run, instead of queueing it to livelock.
-
-        The one context-length and never-fits check (vLLM's wording, code
-        context_length_exceeded); the server and the offline API both reach it through
-        LLMEngine.make_request.
-        """
-        if request.pooling_params is not None:  # no token sampled (engine/core/pooling.py)
-            return check_pooling_fits(self, request)
-        num_prompt = request.num_prompt_tokens
-        max_tokens = request.sampling_params.max_tokens
-        max_len = self.max_model_len
-        if max_tokens is None:
-            if num_prompt >= max_len:  # not even one token would fit
-                raise RequestRejectedError(
-                    f"This model's maximum context length is {max_len} tokens. However, your "
-                    f"request has {num_prompt} input tokens. Please reduce the length of the "
-                    "input messages.",
-                    "prompt",
-                    "context_length_exceeded",
-                )
-        elif num_prompt + max_tokens > max_len:
-            raise RequestRejectedError(
-                f"This model's maximum context length is {max_len} tokens. However, you "
-                f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the messages, "
-                f"{max_tokens} in the completion). Please reduce the length of the messages or "
-                "completion.",
-                "prompt",
-                "context_length_exceeded",
-            )
-        needed = self.kv_cache_manager.max_blocks_per_request(self.max_kv_tokens(request))
-        if needed > self.kv_cache_manager.num_blocks:
-            raise RequestRejectedError(
-                f"The request needs {needed} KV cache blocks but the whole pool has "
-                f"{self.kv_cache_manager.num_blocks}; it can never run. Reduce the prompt or "
-                "max_tokens, or start the server with a larger KV cache."
-            )
-
-    def max_kv_tokens(self, request: Request) -> int:
-        """Most tokens that will ever hold KV: every token but the last one sampled."""
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is None:  # runs until max_model_len, always sampling at least one token
-            return max(self.max_model_len, request.num_prompt_tokens + 1) - 1
-        return request.num_prompt_tokens + max_tokens - 1
+        """Reject what could never run, instead of queueing it to livelock
+        (engine/core/admission.py: the one context-length and never-fits check)."""
+        check_fits(self, request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.fork_waiting or self.kv_tier_loading)
