@@ -631,6 +631,7 @@ def _selected_cell_colours(page) -> list[list[int]]:
           kv.drawNow();  // the pixels and the block tables from one state (no frame between)
           const g = kv.geometry, ctx = canvas.getContext('2d');
           const r = kv.requests.find((x) => x.request_id === kv.selected);
+          if (!r) return [];
           return kv.heldIds(r).map((b) => {
             const x = (b % g.cols) * g.cell + Math.floor(g.cell / 2);
             const y = Math.floor(b / g.cols) * g.cell + Math.floor(g.cell / 2);
@@ -676,11 +677,11 @@ def test_the_selected_requests_cells_keep_their_state_colour(context, request, p
     kv_eval(page, "(kv.zoom = false)")  # the whole pool: small cells for the big one
     send_chat(page, "Say something long.", max_tokens=200)
     wait_kv(page, "kv.selected !== null && kv.requests.some((r) => r.request_id === kv.selected)")
-    page.wait_for_timeout(300)  # a frame after the selection
+    # read at once: the tiny model may end its answer within a few frames (drawNow draws first)
+    colours = _selected_cell_colours(page)
     cell = kv_eval(page, "kv.geometry.cell")
     assert (cell < 10) == (pool == "big"), cell
-    colours = _selected_cell_colours(page)
-    assert colours, "the selected request holds no blocks"
+    assert colours, "the selected request holds no blocks (or had finished when read)"
     assert {_state_hue(c) for c in colours} <= {"held", "shared"}, (cell, colours)
     shot(page, f"10-selected-cells-{pool}-{width}px-cell{cell}")
     page.click("#stop")
