@@ -684,7 +684,8 @@ def test_the_selected_requests_cells_keep_their_state_colour(context, request, p
     assert colours, "the selected request holds no blocks (or had finished when read)"
     assert {_state_hue(c) for c in colours} <= {"held", "shared"}, (cell, colours)
     shot(page, f"10-selected-cells-{pool}-{width}px-cell{cell}")
-    page.click("#stop")
+    if page.is_enabled("#stop"):  # the tiny model may already have ended its answer
+        page.click("#stop")
     log.assert_clean(allow_failed=("/v1/chat/completions",))  # the stop aborts the stream
 
 
