@@ -668,3 +668,21 @@ def count_fused_calls(fused) -> list:
 
     fused.run = spy
     return calls
+
+
+def count_prefill_tokens(llm) -> list[int]:
+    """Wraps the scheduler so each step's prompt tokens scheduled are summed into the list."""
+    sched = llm.engine.scheduler
+    counted = [0]
+    schedule = sched.schedule
+
+    def counting():
+        out = schedule()
+        counted[0] += sum(
+            max(0, min(c + n, r.num_prompt_tokens) - c)
+            for r, n, c in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)
+        )
+        return out
+
+    sched.schedule = counting
+    return counted

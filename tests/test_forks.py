@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, make_prompts
+from conftest import count_prefill_tokens, hf_greedy, make_prompts
 from test_gemma import build_windowed_dir, window_prompts
 
 from engine import LLM, SamplingParams
@@ -41,30 +41,12 @@ def _assert_all_free(llm: LLM) -> None:
     assert not llm.engine.scheduler.fork_waiting
 
 
-def _count_prefill_tokens(llm: LLM) -> list[int]:
-    """Wraps the scheduler so each step's prompt tokens scheduled are summed into the list."""
-    sched = llm.engine.scheduler
-    counted = [0]
-    schedule = sched.schedule
-
-    def counting():
-        out = schedule()
-        counted[0] += sum(
-            max(0, min(c + n, r.num_prompt_tokens) - c)
-            for r, n, c in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)
-        )
-        return out
-
-    sched.schedule = counting
-    return counted
-
-
 @pytest.mark.parametrize("prompt_len", [30, 32])  # a partly filled last block, and a full one
 def test_greedy_forks_equal_transformers_and_prefill_once(tiny_model_dir, prompt_len):
     (prompt,) = make_prompts(1, seed=45, min_len=prompt_len, max_len=prompt_len)
     (expected,) = hf_greedy(tiny_model_dir, [prompt], MAX_NEW)
     llm = _llm(tiny_model_dir, enable_prefix_caching=False)  # no help from the prefix cache
-    prefilled = _count_prefill_tokens(llm)
+    prefilled = count_prefill_tokens(llm)
     ((a, b, c),) = _samples(llm, [prompt], _greedy(3))
     assert a == b == c == expected
     # the prompt once, plus one recomputed last token per forked child

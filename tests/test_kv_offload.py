@@ -11,7 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_model_dir, hf_greedy, make_prompts, metric_value
+from conftest import (
+    build_tiny_model_dir,
+    count_prefill_tokens,
+    hf_greedy,
+    make_prompts,
+    metric_value,
+)
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
@@ -45,23 +51,6 @@ def _assert_all_free(llm: LLM) -> None:
     assert kv.block_pool.get_num_free_blocks() == kv.num_blocks
 
 
-def _count_prefill_tokens(llm: LLM) -> list[int]:
-    sched = llm.engine.scheduler
-    counted = [0]
-    schedule = sched.schedule
-
-    def counting():
-        out = schedule()
-        counted[0] += sum(
-            max(0, min(c + n, r.num_prompt_tokens) - c)
-            for r, n, c in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)
-        )
-        return out
-
-    sched.schedule = counting
-    return counted
-
-
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     return make_prompts(4, min_len=40, max_len=44, seed=3)
@@ -73,7 +62,7 @@ def test_tier_hits_equal_transformers_and_leak_nothing(tiny_model_dir, tmp_path,
     off = llm.engine.kv_offload
     assert _one_by_one(llm, prompts) == ref  # fills the pool; earlier prefixes go to disk
     assert off.store.bytes_stored_total > 0 and off.tier.hit_tokens_total == 0
-    counted = _count_prefill_tokens(llm)
+    counted = count_prefill_tokens(llm)
     # Second turn: each prompt again with new tokens (a multi-turn chat), then all at once.
     turns = [p + [5, 6, 7, 8, 9] for p in prompts]
     assert _one_by_one(llm, turns) == hf_greedy(tiny_model_dir, turns, MAX_NEW)
@@ -126,12 +115,12 @@ def test_restart_serves_repeated_prompt_from_tier(tiny_model_dir, tmp_path, prom
     long_prompt = prompts[0] + prompts[1]  # 80+ tokens
     ref = hf_greedy(tiny_model_dir, [long_prompt], MAX_NEW)
     first = _llm(tiny_model_dir, tmp_path)
-    cold = _count_prefill_tokens(first)
+    cold = count_prefill_tokens(first)
     assert _one_by_one(first, [long_prompt]) == ref
     first.engine.shutdown()  # flushes the pool's cached blocks to the tier
     assert cold[0] == len(long_prompt)
     second = _llm(tiny_model_dir, tmp_path)
-    warm = _count_prefill_tokens(second)
+    warm = count_prefill_tokens(second)
     kv = second.engine.scheduler.kv_cache_manager
     kv.enable_kv_events()
     assert _one_by_one(second, [long_prompt]) == ref
