@@ -33,6 +33,14 @@ VLLM_PY = Path(__file__).resolve().parents[1] / "bench/.venv-vllm/bin/python"
 VLLM_PY = VLLM_PY if VLLM_PY.exists() else Path("/work/main/bench/.venv-vllm/bin/python")
 
 
+
+def _run_in_vllm(script: str) -> dict:
+    """Runs a script with vLLM's own Python (no PYTHONHASHSEED) and reads its last line's JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    run = subprocess.run([str(VLLM_PY), "-c", script], capture_output=True, text=True,
+                         env=env, timeout=300, check=True)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
 def serialize(algo: str, obj) -> bytes:
     """vLLM's serializations, by the reference libraries (not the engine's encoder)."""
     if algo == "sha256_cbor":
@@ -100,10 +108,7 @@ for algo in ("sha256", "sha256_cbor"):
             out[f"{{algo}} {{i}} {{extra is not None}}"] = chain
 print(json.dumps(out))
 """
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    run = subprocess.run([str(VLLM_PY), "-c", script], capture_output=True, text=True,
-                         env=env, timeout=300, check=True)
-    theirs = json.loads(run.stdout.strip().splitlines()[-1])
+    theirs = _run_in_vllm(script)
     assert len(theirs) == 8
     for key, chain in theirs.items():
         algo, i, has_extra = key.split()
@@ -277,10 +282,7 @@ for algo in ("sha256", "sha256_cbor"):
         out[f"{{algo}} {{with_lora}}"] = chain
 print(json.dumps(out))
 """
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    run = subprocess.run([str(VLLM_PY), "-c", script], capture_output=True, text=True,
-                         env=env, timeout=300, check=True)
-    theirs = json.loads(run.stdout.strip().splitlines()[-1])
+    theirs = _run_in_vllm(script)
     assert len(theirs) == 4
     for key, chain in theirs.items():
         algo, with_lora = key.split()
