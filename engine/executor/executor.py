@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 1800.0  # loading a large checkpoint on a slow disk
 SHUTDOWN_GRACE_S = 5.0
+WATCH_EXIT_STATUS_S = 5.0  # how long the watcher waits for a dead worker's exit status
 
 
 class EngineDeadError(RuntimeError):
@@ -392,11 +393,19 @@ class MultiprocExecutor(Executor):
     def _watch(self) -> None:
         """Blocks on every worker's sentinel: the first to end makes the executor dead (the
         engine's step, if one runs, reports the same death through _wait_result)."""
-        sentinels = [p.sentinel for p in self.workers.processes]
-        wait(sentinels + [self._wake_r])
+        procs = self.workers.processes
+        ready = wait([p.sentinel for p in procs] + [self._wake_r])
         if self._stopping or self.dead is not None:
             return
-        reason = self._dead_within(1.0) or "a worker process ended"
+        # The first sentinel to fire names the rank; its exit status comes a moment later, and
+        # a blocking join waits for it however loaded the host (polling once gave up too soon).
+        first = next((i for i, p in enumerate(procs) if p.sentinel in ready), None)
+        if first is None:
+            reason = "a worker process ended"
+        else:
+            procs[first].join(WATCH_EXIT_STATUS_S)
+            how = describe_exit(procs[first].exitcode)
+            reason = f"worker rank {self.workers.ranks[first]} died ({how})"
         if self.dead is None:
             self.dead = reason
             logger.error("executor dead: %s (noticed by the watcher)", reason)
