@@ -7,6 +7,9 @@ would reach an image the budget cannot pay for stops just before the image's fir
 images, or many image requests arriving together, spreads its encoder work over steps instead
 of stalling one step; an image never starts in a chunk whose embedding is not computed in that
 same step. An image larger than the whole budget runs alone in a step (never starved).
+An image the model attends to bidirectionally (ImageInput.whole: Gemma 3) is never split: a
+chunk that would end inside it stops before it (or, started inside it after a prefix-cache hit,
+waits for a step whose token budget reaches its end).
 
 The scheduler's view of what is encoded is the content hashes it has let through (bounded, least
 recently used first out); if the runner's cache dropped one, the runner re-encodes it off-budget.
@@ -38,6 +41,8 @@ class EncoderBudget:
         for image in images:
             if image.start + image.length <= computed or image.start >= end:
                 continue
+            if image.whole and image.start + image.length > end:  # never split (Gemma 3)
+                return max(0, image.start - computed)
             key = image.content_hash
             if key in self._encoded:
                 self._encoded.move_to_end(key)

@@ -15,6 +15,7 @@ from torch import nn
 from engine.layers import check_rope
 from engine.models.gemma2 import Gemma2ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gemma3_vl import Gemma3ForConditionalGeneration
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llava import llava_class
 from engine.models.mistral import MistralForCausalLM
@@ -35,6 +36,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     # vision-language with its own image side (LLaVA-style ones: MULTIMODAL_REGISTRY)
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 # vision-language architectures: a factory of the class from the text family's
 MULTIMODAL_REGISTRY = {"LlavaForConditionalGeneration": llava_class}

@@ -19,6 +19,7 @@ class MultiModalEmbedder:
         self.model, self.device = model, device
         self.cache = EncoderCache(cache_bytes)
         self.num_images_encoded = 0
+        self.set_step_images = getattr(model, "set_step_images", None)
 
     @classmethod
     def build(cls, model, cache_bytes: int, device: torch.device) -> MultiModalEmbedder | None:
@@ -37,13 +38,19 @@ class MultiModalEmbedder:
     def inputs_embeds(self, out, input_ids: torch.Tensor) -> torch.Tensor | None:
         """[T, hidden] for the flattened batch, or None when no image token is scheduled."""
         pieces: list[tuple[int, ImageInput, int, int]] = []  # batch row, image, [a, b) of it
+        spans: list[tuple[int, int, int, int]] = []  # row, rows, sequence, image end
         offset = 0
-        for req, n, start in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens):
+        for seq, (req, n, start) in enumerate(
+            zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)
+        ):
             for image in req.mm_inputs:
                 a, b = max(start, image.start), min(start + n, image.start + image.length)
                 if a < b:
                     pieces.append((offset + a - start, image, a - image.start, b - image.start))
+                    spans.append((offset + a - start, b - a, seq, b))
             offset += n
+        if self.set_step_images is not None:  # bidirectional image attention (Gemma 3)
+            self.set_step_images(whole_image_spans(pieces, spans))
         if not pieces:
             return None
         embeddings = self._embeddings([image for _, image, _, _ in pieces])
@@ -87,3 +94,11 @@ class MultiModalEmbedder:
             found[image.content_hash] = emb
             self.cache.put(image.content_hash, emb)
         self.num_images_encoded += len(group)
+
+
+def whole_image_spans(pieces, spans: list) -> list[tuple[int, int, int, int]]:
+    """The spans, each checked to reach its image's end (the scheduler keeps images whole)."""
+    for (_, image, _, b), span in zip(pieces, spans):
+        if b != image.length:
+            raise RuntimeError(f"image tokens at {span[3] - span[1]} split across prefill chunks")
+    return spans

@@ -65,6 +65,17 @@ class ImageInputProcessor:
             return None
         return cls(Path(model_dir), hf_config, tokenizer, model_cls, max_images)
 
+    def check_chunk_budget(self, max_num_batched_tokens: int) -> None:
+        """ValueError when a step's token budget cannot hold an image the model needs whole."""
+        min_chunk = getattr(self.model_cls, "min_chunk_tokens", None)
+        need = min_chunk(self.hf_config) if min_chunk is not None else 0
+        if max_num_batched_tokens < need:
+            raise ValueError(
+                f"max_num_batched_tokens {max_num_batched_tokens} is below the {need} tokens of "
+                f"one image, which this model prefills in one step; set --max-num-batched-tokens "
+                f">= {need}"
+            )
+
     def pixels(self, image, param: str):
         """[3, H, W] float pixels of one Pillow image, as the model's processor makes them (or
         the model's own form of that output: Qwen2.5-VL's (patches, grid))."""
@@ -95,7 +106,8 @@ class ImageInputProcessor:
             ids += prompt_ids[prev:pos]
             pv, grid = pv if isinstance(pv, tuple) else (pv, None)
             n = self.model_cls.num_image_tokens(self.hf_config, tuple(pv.shape), grid)
-            inputs.append(ImageInput(len(ids), n, content_hash(pv, grid), pv, grid))
+            whole = getattr(self.model_cls, "prefill_images_whole", False)
+            inputs.append(ImageInput(len(ids), n, content_hash(pv, grid), pv, grid, whole))
             ids += [token] * n
             prev = pos + 1
         return ids + prompt_ids[prev:], inputs
