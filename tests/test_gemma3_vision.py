@@ -47,7 +47,7 @@ def build_tiny_gemma3_vl_dir(path, seed: int = 0):
             if "vision_tower" in name and p.dim() > 1 or "mm_input_projection" in name:
                 p.normal_(0, 0.3)
             elif "norm" in name and "vision_tower" not in name:
-                p.normal_(0, 1.0)
+                p.normal_(0, 3.0)  # as tests/test_gemma.py: else every answer is one token
     model.save_pretrained(path)
     Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(path)
     tok.save_pretrained(path)
@@ -69,7 +69,7 @@ def random_image(seed: int, size=(40, 56)):
 _HF: dict = {}
 
 
-def hf_greedy(model_dir, ids: list[int], inputs: list) -> list[int]:
+def hf_greedy(model_dir, ids: list[int], inputs: list, max_new: int = MAX_NEW) -> list[int]:
     from transformers import Gemma3ForConditionalGeneration
 
     key = str(model_dir)
@@ -85,7 +85,7 @@ def hf_greedy(model_dir, ids: list[int], inputs: list) -> list[int]:
         kw["token_type_ids"] = (input_ids == model.config.image_token_id).long()
     with torch.inference_mode():
         out = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=MAX_NEW,
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new,
             do_sample=False, eos_token_id=None, **kw,
         )  # fmt: skip
     return out[0, len(ids) :].tolist()
@@ -103,8 +103,8 @@ def image_prompt(engine: LLMEngine, text: str, images, before: str = "hi") -> tu
     return mm.expand(ids, [mm.pixels(image, "image") for image in images])
 
 
-def generate(engine: LLMEngine, prompts: dict) -> dict[str, list]:
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+def generate(engine: LLMEngine, prompts: dict, max_new: int = MAX_NEW) -> dict[str, list]:
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     for rid, (ids, inputs) in prompts.items():
         engine.add(engine.make_request(rid, ids, params, inputs))
     tokens: dict[str, list] = {rid: [] for rid in prompts}
@@ -207,12 +207,13 @@ def test_prefix_hit_and_different_images(gemma_dir):
 
 
 def test_preemption_recompute(gemma_dir):
-    engine = make_engine(gemma_dir, block_size=4, num_gpu_blocks_override=14)
+    """Two image requests whose prompts fit the pool together and whose answers do not."""
+    engine = make_engine(gemma_dir, block_size=4, num_gpu_blocks_override=28)
     prompts = {
         "p": image_prompt(engine, "first", [random_image(21)]),
         "q": image_prompt(engine, "second", [random_image(22, (32, 48))]),
     }
-    got = generate(engine, prompts)
+    got = generate(engine, prompts, max_new=24)
     assert engine.preemptions >= 1
     for rid, prompt in prompts.items():
-        assert got[rid] == hf_greedy(gemma_dir, *prompt), rid
+        assert got[rid] == hf_greedy(gemma_dir, *prompt, max_new=24), rid

@@ -56,7 +56,7 @@ class Gemma3Projector(nn.Module):
         side = self.patches_per_side
         grid = x.transpose(1, 2).reshape(n, d, side, side).contiguous()
         pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
-        normed = self.mm_soft_emb_norm(pooled.reshape(-1, d)).view(n, -1, d)
+        normed = self.mm_soft_emb_norm(pooled.reshape(-1, d).contiguous()).view(n, -1, d)
         return torch.matmul(normed, self.mm_input_projection_weight).type_as(x)
 
 
