@@ -58,10 +58,9 @@ class LLMEngine:
         check_tensor_parallel(self.text_config, self.config.tensor_parallel_size)
         # images in (None: a text-only model): engine/multimodal/processor.py
         self.mm_processor = ImageInputProcessor.build(
-            self.model_dir, self.hf_config, self.tokenizer, self.config.max_images_per_prompt
-        )
-        if self.mm_processor is not None:
-            self.mm_processor.check_chunk_budget(self.config.max_num_batched_tokens)
+            self.model_dir, self.hf_config, self.tokenizer, self.config.max_images_per_prompt,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+        )  # fmt: skip
         if self.mm_processor is not None and self.config.distributed_executor_backend != "uni":
             raise ValueError("image models run with tensor_parallel_size 1 (the uni executor) yet")
         self.executor = create_executor(self.config, self.model_dir, self.hf_config)

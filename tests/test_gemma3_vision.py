@@ -217,3 +217,40 @@ def test_preemption_recompute(gemma_dir):
     assert engine.preemptions >= 1
     for rid, prompt in prompts.items():
         assert got[rid] == hf_greedy(gemma_dir, *prompt, max_new=24), rid
+
+
+@pytest.fixture(scope="module")
+def gemma_server(gemma_dir):
+    from conftest import serve_float32
+
+    yield from serve_float32(gemma_dir, "tiny-gemma3-vl")
+
+
+def test_openai_client_data_url(gemma_server, gemma_dir):
+    """The official client sends a data: URL; the answer is transformers' token for token."""
+    import base64
+    import io
+
+    from openai import OpenAI
+
+    image = random_image(11)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    client = OpenAI(base_url=gemma_server.url + "/v1", api_key="x")
+    resp = client.chat.completions.create(
+        model="tiny-gemma3-vl",
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "what is this?"},
+        ]}],
+        max_tokens=MAX_NEW, temperature=0.0, logprobs=True,
+    )  # fmt: skip
+    engine = make_engine(gemma_dir)
+    mm = engine.mm_processor
+    text = f"<|im_start|>user\n{mm.image_token}\nwhat is this?<|im_end|>\n<|im_start|>assistant\n"
+    ids, inputs = mm.expand(engine.tokenizer.encode(text), [mm.pixels(image, "image")])
+    assert resp.usage.prompt_tokens == len(ids) == len(engine.tokenizer.encode(text)) + 15
+    want = hf_greedy(gemma_dir, ids, inputs)
+    got = [t.token for t in resp.choices[0].logprobs.content]
+    assert got == [engine.tokenizer.decode([t]) for t in want]

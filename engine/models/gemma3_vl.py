@@ -166,5 +166,3 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         if "lm_head.weight" not in renamed and "model.embed_tokens.weight" in renamed:
             renamed["lm_head.weight"] = renamed["model.embed_tokens.weight"]  # tied
         return super().load_weights(renamed)
-
-

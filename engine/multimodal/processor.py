@@ -56,14 +56,18 @@ class ImageInputProcessor:
         self.max_images = max_images
 
     @classmethod
-    def build(cls, model_dir, hf_config, tokenizer, max_images: int):
-        """None for a text-only model."""
+    def build(cls, model_dir, hf_config, tokenizer, max_images: int, max_num_batched_tokens=None):
+        """None for a text-only model. ValueError when a step's token budget cannot hold an
+        image the model prefills whole (check_chunk_budget)."""
         from engine.models import get_model_class
 
         model_cls = get_model_class(hf_config)
         if not getattr(model_cls, "supports_images", False):
             return None
-        return cls(Path(model_dir), hf_config, tokenizer, model_cls, max_images)
+        processor = cls(Path(model_dir), hf_config, tokenizer, model_cls, max_images)
+        if max_num_batched_tokens is not None:
+            processor.check_chunk_budget(max_num_batched_tokens)
+        return processor
 
     def check_chunk_budget(self, max_num_batched_tokens: int) -> None:
         """ValueError when a step's token budget cannot hold an image the model needs whole."""
