@@ -345,6 +345,7 @@ def test_registry_has_what_the_readme_lists():
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
         "LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+        "Gemma3ForConditionalGeneration",
     }
 
 
