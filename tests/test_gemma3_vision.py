@@ -206,6 +206,21 @@ def test_prefix_hit_and_different_images(gemma_dir):
     assert got["a"] != got["c"]
 
 
+def test_prefix_hit_inside_an_image(gemma_dir):
+    """A small pool: a text request evicts the tail of an image request's cached blocks, so the
+    same image again hits up to a block inside the image; the rest of the image runs in one
+    chunk, its queries reading the cached image keys too. transformers' tokens."""
+    engine = make_engine(gemma_dir, block_size=4, num_gpu_blocks_override=24)
+    first = image_prompt(engine, "describe it", [random_image(5)], "abc")
+    generate(engine, {"a": first}, max_new=1)
+    generate(engine, {"t": (list(range(40, 64)), [])}, max_new=1)
+    again = image_prompt(engine, "describe that", [random_image(5)], "abc")
+    got = generate(engine, {"b": again})
+    image = again[1][0]
+    assert image.start < engine.last_cached["b"] < image.start + image.length
+    assert got["b"] == hf_greedy(gemma_dir, *again)
+
+
 def test_preemption_recompute(gemma_dir):
     """Two image requests whose prompts fit the pool together and whose answers do not."""
     engine = make_engine(gemma_dir, block_size=4, num_gpu_blocks_override=28)
