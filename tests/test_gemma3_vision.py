@@ -234,6 +234,28 @@ def test_preemption_recompute(gemma_dir):
         assert got[rid] == hf_greedy(gemma_dir, *prompt, max_new=24), rid
 
 
+def test_bfloat16_against_transformers_bf16(gemma_dir):
+    """bf16 (packed CPU linears in the tower, the kernels' RMSNorm in the projector): the image
+    embedding within bf16 rounding of transformers' bf16, and the first tokens equal its bf16
+    generate."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    engine = make_engine(gemma_dir, dtype="bfloat16")
+    ids, inputs = image_prompt(engine, "what is this?", [random_image(1)])
+    hf = Gemma3ForConditionalGeneration.from_pretrained(gemma_dir, dtype=torch.bfloat16).eval()
+    x, pixels = torch.tensor([ids]), inputs[0].pixel_values[None].bfloat16()
+    with torch.inference_mode():
+        want = hf.model.get_image_features(pixels).pooler_output[0].float()
+        ours = engine.runner.model.embed_images(pixels)[0].float()
+        assert (ours - want).abs().max() <= 0.02 * want.abs().max()
+        ref = hf.generate(
+            x, attention_mask=torch.ones_like(x), pixel_values=pixels, max_new_tokens=4,
+            token_type_ids=(x == hf.config.image_token_id).long(), do_sample=False,
+            eos_token_id=None,
+        )  # fmt: skip
+    assert generate(engine, {"b": (ids, inputs)})["b"][:4] == ref[0, len(ids) :].tolist()
+
+
 @pytest.fixture(scope="module")
 def gemma_server(gemma_dir):
     from conftest import serve_float32
