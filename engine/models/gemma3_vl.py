@@ -20,7 +20,7 @@ from engine.layers import RMSNorm
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gemma3_vl_attention import ImageAwareAttention, StepImages
 from engine.models.llava import _RENAMES
-from engine.models.vision_tower import VisionTower, activation, num_patch_tokens
+from engine.models.vision_tower import VisionTower, activation
 from pagedserve_kernels import AttentionMetadata
 
 # parts of a SigLIP checkpoint Gemma 3 never reads: the pooling head, position ids
@@ -122,8 +122,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] -> [N, mm_tokens_per_image, text hidden] (get_image_features)."""
-        if self.vision_tower.num_positions != num_patch_tokens(self.vl_config.vision_config):
-            raise ValueError("the vision tower's positions do not match its image_size")
         return self.multi_modal_projector(self.vision_tower(pixel_values))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
