@@ -526,6 +526,7 @@
       modelName = body.data[0].id;
       $("model-name").textContent = `${modelName} · max_model_len ${body.data[0].max_model_len}`;
       fillModelPicker(body.data);
+      setImageSupport(body.data[0]);
     } catch (e) {
       $("model-name").textContent = `no model: ${e.message}`;
     }
@@ -555,9 +556,95 @@
     $("mode").value = mode;
     $("system-label").hidden = mode !== "chat";
     $("mode-note").textContent = note || "";
+    renderAttachments();
   }
 
-  function addMessage(role, text) {
+  // ---- images: pasted, picked or dropped; sent as image_url parts with data: URLs -----------
+  // Offered only when /v1/models lists "image" in the model's input_modalities, and only in
+  // chat mode (a raw completion prompt is text). The server decodes and checks each image.
+  const pendingImages = []; // data: URLs for the next message
+  let takesImages = false;
+  const isImage = (f) => f && f.type && f.type.startsWith("image/");
+
+  function setImageSupport(card) {
+    takesImages = Boolean(card && (card.input_modalities || []).includes("image"));
+    renderAttachments();
+  }
+
+  function addImageFiles(files) {
+    const images = Array.from(files || []).filter(isImage);
+    if (!images.length) return false;
+    if (!takesImages || $("mode").value !== "chat") {
+      $("attach-note").textContent = "this model takes no images (text only)";
+      return true;
+    }
+    for (const file of images) {
+      const reader = new FileReader();
+      reader.onload = () => {
+        pendingImages.push(reader.result);
+        renderAttachments();
+      };
+      reader.onerror = () => { $("attach-note").textContent = `could not read ${file.name}`; };
+      reader.readAsDataURL(file);
+    }
+    return true;
+  }
+
+  function renderAttachments() {
+    const on = takesImages && $("mode").value === "chat";
+    $("attach").hidden = !on;
+    const box = $("attachments");
+    box.replaceChildren();
+    box.hidden = !on || !pendingImages.length;
+    $("attach-note").textContent = on && pendingImages.length
+      ? `${pendingImages.length} image(s) go with the next message` : "";
+    pendingImages.forEach((url, i) => {
+      const thumb = document.createElement("div");
+      thumb.className = "thumb";
+      const img = document.createElement("img");
+      img.src = url;
+      img.alt = `image ${i + 1} to send`;
+      const remove = document.createElement("button");
+      remove.type = "button";
+      remove.className = "remove";
+      remove.textContent = "×";
+      remove.title = remove.ariaLabel = `remove image ${i + 1}`;
+      remove.addEventListener("click", () => {
+        pendingImages.splice(i, 1);
+        renderAttachments();
+      });
+      thumb.append(img, remove);
+      box.append(thumb);
+    });
+  }
+
+  $("image-input").addEventListener("change", (e) => {
+    addImageFiles(e.target.files);
+    e.target.value = ""; // the same file can be picked again
+  });
+  $("composer").addEventListener("paste", (e) => {
+    // an image on the clipboard becomes an attachment; pasted text stays ordinary
+    if (e.clipboardData && addImageFiles(e.clipboardData.files)) e.preventDefault();
+  });
+  $("composer").addEventListener("dragover", (e) => {
+    if (!takesImages || !e.dataTransfer || !e.dataTransfer.types.includes("Files")) return;
+    e.preventDefault();
+    $("composer").classList.add("drop-target");
+  });
+  $("composer").addEventListener("dragleave", () => $("composer").classList.remove("drop-target"));
+  $("composer").addEventListener("drop", (e) => {
+    $("composer").classList.remove("drop-target");
+    if (e.dataTransfer && addImageFiles(e.dataTransfer.files)) e.preventDefault();
+  });
+
+  function chatContent(text, images) {
+    // plain text, or OpenAI content parts: the images first, then the text
+    if (!images.length) return text;
+    const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+    return text.trim() ? parts.concat([{ type: "text", text }]) : parts;
+  }
+
+  function addMessage(role, text, images) {
     const el = document.createElement("div");
     el.className = `msg ${role}`;
     const label = document.createElement("div");
@@ -568,7 +655,19 @@
     body.textContent = text;
     const stats = document.createElement("div");
     stats.className = "stats";
-    el.append(label, body, stats);
+    el.append(label);
+    if (images && images.length) {
+      const row = document.createElement("div");
+      row.className = "images";
+      for (const url of images) {
+        const img = document.createElement("img");
+        img.src = url;
+        img.alt = "an image sent with this message";
+        row.append(img);
+      }
+      el.append(row);
+    }
+    el.append(body, stats);
     $("messages").append(el);
     el.scrollIntoView({ block: "end" });
     return { el, body, stats };
@@ -605,8 +704,9 @@
 
   async function send() {
     const text = $("input").value;
-    if (!text.trim() || controller) return;
     const mode = $("mode").value;
+    const images = mode === "chat" ? pendingImages.slice() : [];
+    if ((!text.trim() && !images.length) || controller) return;
     const params = {
       model: modelName,
       temperature: numberField("temperature", parseFloat),
@@ -617,8 +717,10 @@
     };
     let url, body;
     if (mode === "chat") {
-      conversation.push({ role: "user", content: text });
-      addMessage("user", text);
+      conversation.push({ role: "user", content: chatContent(text, images) });
+      addMessage("user", text, images);
+      pendingImages.length = 0;
+      renderAttachments();
       const system = $("system").value.trim();
       const messages = system ? [{ role: "system", content: system }] : [];
       url = "/v1/chat/completions";
@@ -676,6 +778,7 @@
         out.el.classList.add("error");
         out.el.dataset.state = "error";
         out.body.textContent = answer + (answer ? "\n" : "") + `error: ${e.message}`;
+        if (images.length && !answer) dropRefusedTurn(out);
       }
     } finally {
       controller = null;
@@ -683,6 +786,12 @@
     }
     if (mode === "chat" && answer) conversation.push({ role: "assistant", content: answer });
     out.stats.textContent = answerStats(t0, tFirst, tLast, usage, numPieces, finish);
+  }
+
+  function dropRefusedTurn(out) {
+    // a refused image would be resent, and refused, with every later message: forget the turn
+    conversation.pop();
+    out.body.textContent += "\n(this message and its images are left out of the conversation)";
   }
 
   function answerStats(t0, tFirst, tLast, usage, numPieces, finish) {
