@@ -172,3 +172,23 @@ def test_a_preempted_request_gets_its_evicted_prefix_back_from_the_tier(model_di
     assert done["short"] == hf_greedy(model_dir, [short], 40)[0]
     _assert_all_free(llm)
     engine.shutdown()
+
+
+def test_the_fingerprint_names_the_tp_size_and_rank(model_dir):
+    from types import SimpleNamespace
+
+    from engine.config import EngineConfig
+    from engine.distributed import ParallelState
+    from engine.kv_offload.setup import runner_fingerprint
+
+    cfg = EngineConfig(block_size=BS)
+
+    def fp(rank: int, world: int) -> bytes:  # the same heads per rank: only the TP state differs
+        runner = SimpleNamespace(
+            kv_cache_spec=SimpleNamespace(windows=(0,), layer_groups=((0, 1),)),
+            tp=ParallelState(rank, world), num_kv_heads=1, head_dim=16, dtype="torch.float32",
+        )  # fmt: skip
+        return runner_fingerprint(cfg, model_dir, runner)
+
+    prints = {fp(0, 1), fp(0, 2), fp(1, 2), fp(0, 4)}
+    assert len(prints) == 4 and fp(1, 2) == fp(1, 2)
