@@ -52,7 +52,8 @@ def test_index_counts_a_block_only_when_every_rank_has_it():
         return dict(rank=rank, changes=list(changes), applied=list(applied), stored=10 * rank,
                     loaded=0, usage=5, capacity=50, corrupt=rank)  # fmt: skip
 
-    index.absorb([report(0, [(a, True), (b, True)], [(7, True), (8, True)]), report(1, [(a, True)])])
+    first = report(0, [(a, True), (b, True)], [(7, True), (8, True)])
+    index.absorb([first, report(1, [(a, True)])])
     assert index.contains(a) and not index.contains(b) and len(index) == 1
     assert index.applied == []  # rank 1 has not copied its shard of block 7 or 8 yet
     index.absorb([report(0, [(a, False)]), report(1, [(b, True)], [(7, True), (8, False)])])
@@ -150,7 +151,8 @@ def test_a_preempted_request_gets_its_evicted_prefix_back_from_the_tier(model_di
     engine, off = llm.engine, llm.engine.kv_offload
     sched = engine.scheduler
     # 16 blocks of 4 cannot hold both (13 + 12 blocks at the end). "short" came first: as they
-    # grow, "long" (the later arrival) is preempted, and "short" evicts its freed blocks; they go to the tier and "long" loads them back on resume.
+    # grow, "long" (the later arrival) is preempted, and "short" evicts its freed blocks; they
+    # go to the tier and "long" loads them back on resume.
     engine.add_request("short", short, params["short"])
     engine.add_request("long", long_prompt, params["long"])
     done: dict[str, list[int]] = {}

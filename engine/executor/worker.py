@@ -123,7 +123,7 @@ class Worker:
         return dict(
             num_blocks=r.num_blocks, kv_windows=r.kv_cache_spec.windows, dtype=r.dtype,
             device=r.device, backend=r.backend.name, kv_cache_bytes=r.kv_cache_bytes,
-            kv_tier=self.kv_tier.report() if self.kv_tier is not None else None,  # every rank
+            kv_tier=self.kv_tier and self.kv_tier.report(),  # a gather: every rank calls info
         )
 
     def loop(self, conn) -> None:
