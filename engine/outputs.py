@@ -93,6 +93,8 @@ class ModelRunnerOutput:
     spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # pooling requests whose last prompt chunk ran: request id -> pooled float32 CPU vector
     pooler_output: dict[str, object] = field(default_factory=dict)
+    # the KV tier under tensor parallelism: every rank's news this step (kv_offload/tp_worker.py)
+    kv_tier_reports: list[dict] | None = None
 
 
 @dataclass

@@ -71,7 +71,7 @@ def test_tier_hits_equal_transformers_and_leak_nothing(tiny_model_dir, tmp_path,
     assert counted[0] < sum(map(len, turns)) / 2
     # All at once: the pool cannot hold them all, and their prefixes come back from the tier.
     # Whether a request is also preempted depends on when its loads land (the copy thread), so
-    # it is not asserted here: a deterministic preempt-then-tier-load test is still to write.
+    # it is not asserted here (tests/test_kv_offload_tp.py has the deterministic one).
     hits = off.tier.hit_tokens_total
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref

@@ -318,6 +318,7 @@ class MultiprocExecutor(Executor):
         self.dtype, self.device = info["dtype"], info["device"]
         self.backend_name = info["backend"]
         self.encoder = WireEncoder()
+        self.on_kv_tier_reports = lambda reports: None  # set by engine/kv_offload/tp_index.py
         self.stats = ExecutorStats()
         self.dead: str | None = None
         self._stopping = False
@@ -343,6 +344,8 @@ class MultiprocExecutor(Executor):
         if kind != "output":  # a peer's death often surfaces first as a failed collective
             self._die(self._dead_within(1.0) or f"worker rank {result[0]} failed: {result[1]}")
         output, collective_s, runner_s = result
+        if output.kv_tier_reports is not None:  # the KV tier's ranks (kv_offload/tp_index.py)
+            self.on_kv_tier_reports(output.kv_tier_reports)
         stats = self.stats
         stats.num_steps += 1
         stats.execute_s += time.perf_counter() - start

@@ -87,6 +87,7 @@ class Worker:
         from transformers import AutoConfig
 
         from engine.distributed import init_distributed
+        from engine.kv_offload.tp_worker import attach_worker_tier
         from engine.runner.model_runner import ModelRunner, resolve_device
 
         cfg = spec.config
@@ -104,6 +105,7 @@ class Worker:
             _segfault()
         hf_config = AutoConfig.from_pretrained(spec.model_dir)
         self.runner = ModelRunner(cfg, spec.model_dir, hf_config)
+        self.kv_tier = attach_worker_tier(cfg, spec.model_dir, self.runner)  # this rank's shard
         self.mirrors: dict = {}
         self.grammars = None
         if spec.rank == 0:  # only rank 0 samples, so only it masks
@@ -121,6 +123,7 @@ class Worker:
         return dict(
             num_blocks=r.num_blocks, kv_windows=r.kv_cache_spec.windows, dtype=r.dtype,
             device=r.device, backend=r.backend.name, kv_cache_bytes=r.kv_cache_bytes,
+            kv_tier=self.kv_tier and self.kv_tier.report(),  # a gather: every rank calls info
         )
 
     def loop(self, conn) -> None:
@@ -137,6 +140,8 @@ class Worker:
                 payload = broadcast_bytes(None)
             kind, wire = pickle.loads(payload)
             if kind == "shutdown":
+                if self.kv_tier is not None:  # the queued writes land before the exit
+                    self.kv_tier.close()
                 barrier()
                 return
             if kind != "step":
@@ -146,6 +151,8 @@ class Worker:
             collective_timer.take()
             start = time.perf_counter()
             output = self.runner.execute(self.mirror(wire))
+            if self.kv_tier is not None:  # a gather every rank joins
+                output.kv_tier_reports = self.kv_tier.report()
             num_steps += 1
             if driver:
                 runner_s = time.perf_counter() - start

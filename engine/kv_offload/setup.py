@@ -58,6 +58,15 @@ def fingerprint(model_dir: Path, dtype: str, block_size: int, layout: tuple, ext
     return h.digest()
 
 
+def runner_fingerprint(cfg, model_dir, runner) -> bytes:
+    """fingerprint() for this runner's KV: its layout, and the TP size and rank (a shard)."""
+    spec, tp = runner.kv_cache_spec, runner.tp
+    layout = (spec.windows, spec.layer_groups, runner.num_kv_heads, runner.head_dim)
+    layout += (tp.world_size, tp.rank)
+    extra = (cfg.quantization, cfg.gguf_weights)
+    return fingerprint(model_dir, str(runner.dtype), cfg.block_size, layout, extra)
+
+
 class KVOffload:
     """The tier of one engine: store (disk), hook (runner), tier (scheduler)."""
 
@@ -75,17 +84,13 @@ def attach_kv_offload(engine, store_cls=DiskKVStore) -> KVOffload | None:
     cfg = engine.config
     if cfg.kv_offloading_size is None:
         return None
-    if getattr(engine.executor, "runner", None) is None:
-        raise ValueError(
-            "--kv-offloading-size needs the model in the engine's process (tensor parallel "
-            "size 1, the uni executor) yet"
-        )
-    runner = engine.executor.runner
-    spec = runner.kv_cache_spec
-    layout = (spec.windows, spec.layer_groups, runner.num_kv_heads, runner.head_dim, runner.tp.rank)
-    extra = (cfg.quantization, cfg.gguf_weights)
-    fp = fingerprint(engine.model_dir, str(runner.dtype), cfg.block_size, layout, extra)
     directory = Path(cfg.kv_offloading_dir) if cfg.kv_offloading_dir else default_dir()
+    if getattr(engine.executor, "runner", None) is None:  # worker processes (mp executor)
+        from engine.kv_offload.tp_index import attach_ranked_kv_offload
+
+        return attach_ranked_kv_offload(engine, directory)
+    runner = engine.executor.runner
+    fp = runner_fingerprint(cfg, engine.model_dir, runner)
     store = store_cls(directory, int(cfg.kv_offloading_size * 2**30), fp)
     hook = KVOffloadHook(runner.kv_caches, store)
     manager = engine.scheduler.kv_cache_manager
