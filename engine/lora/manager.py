@@ -46,6 +46,22 @@ def _linears_of(layer: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+def _hf_names(name: str, model: nn.Module) -> tuple[str, ...]:
+    """The Hugging Face modules (PEFT's target names) a linear of ours stands for: q/k/v and
+    gate/up apart, or, for a model whose HF class fuses them (Phi-3), the fused linear itself."""
+    fused = getattr(model, "lora_fused_targets", ())
+    return (name,) if name in fused else _PARTS[name]
+
+
+def _split_fused(ab, sizes: list[int]) -> list:
+    """One adapter over a whole fused linear (A [r, in], B [sum(sizes), r]) as per-part
+    adapters: A shared by every part, B's rows split as the linear stacks its outputs."""
+    if ab is None:
+        return [None] * len(sizes)
+    a, b = ab
+    return [(a, rows) for rows in b.split(sizes)]
+
+
 def _part_sizes(name: str, lin: nn.Module) -> list[int]:
     if name == "qkv_proj":
         return [lin.q_size, lin.kv_size, lin.kv_size]
@@ -66,6 +82,7 @@ class LoRAManager:
         self.layers: list[dict[str, LoRALinearWeights]] = []
         modules: dict[str, tuple[int, int]] = {}
         layer_modules: list[frozenset[str]] = []
+        self.hf_names = {name: _hf_names(name, model) for name in _PARTS}
         for layer in model.model.layers:
             found = {}
             for name, lin in _linears_of(layer).items():
@@ -73,10 +90,11 @@ class LoRAManager:
                 weights = LoRALinearWeights(lin.in_features, sizes, self.batch, dtype, device)
                 wrap_lora(lin, weights)
                 found[name] = weights
-                for hf_name, size in zip(_PARTS[name], sizes):
-                    modules[hf_name] = (lin.in_features, size)
+                hf = self.hf_names[name]
+                outs = [sum(sizes)] if len(hf) == 1 else sizes
+                modules.update((h, (lin.in_features, n)) for h, n in zip(hf, outs))
             self.layers.append(found)
-            layer_modules.append(frozenset(hf for name in found for hf in _PARTS[name]))
+            layer_modules.append(frozenset(h for name in found for h in self.hf_names[name]))
         self.shapes = BaseShapes(modules, layer_modules)
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # content hash -> adapter
         # unloaded (or replaced in place) adapters, kept while a request still holds their
@@ -226,7 +244,11 @@ class LoRAManager:
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         for layer, linears in enumerate(self.layers):
             for name, weights in linears.items():
-                parts = [adapter.weights.get((layer, hf)) for hf in _PARTS[name]]
+                hf = self.hf_names[name]
+                if len(hf) == 1:  # one adapter over the whole linear (Phi-3's fused ones)
+                    parts = _split_fused(adapter.weights.get((layer, hf[0])), weights.part_sizes)
+                else:
+                    parts = [adapter.weights.get((layer, h)) for h in hf]
                 weights.set_slot(slot, parts)
         self.slots[slot] = adapter.request.content_hash
         self.slot_scaling[slot] = adapter.scaling
