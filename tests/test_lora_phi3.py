@@ -57,3 +57,28 @@ def test_split_targets_on_phi3_and_fused_ones_on_llama_are_refused(phi3, tiny_mo
     llama = make_engine(tiny_model_dir, {})
     with pytest.raises(LoRAError, match="the base model has no module qkv_proj"):
         llama.lora_registry.load("fused", str(adapters["qkv"]))
+
+
+def test_fused_targets_in_the_fused_decode_step_bf16(phi3, ops):
+    """bf16: a Phi-3 adapter's decode steps run the fused decode step with the adapters added
+    (decode_layers_lora on the split B rows), the same tokens as the per-layer path."""
+    model_dir, adapters = phi3
+    engine = make_engine(model_dir, {"all": adapters["all"]}, dtype="bfloat16")
+    runner = engine.runner
+    fused = runner.fused_decode
+    assert fused is not None
+    calls, fused_run = [], fused.run
+
+    def spy(*a, **k):
+        calls.append(k.get("lora"))
+        return fused_run(*a, **k)
+
+    fused.run = spy
+    prompts = make_prompts(2, seed=12, min_len=10, max_len=12)
+    jobs = [(prompts[0], "all"), (prompts[1], None)]
+    tuned, _ = run(engine, jobs)
+    base, _ = run(engine, [(p, None) for p in prompts])
+    assert tuned[0] != base[0] and tuned[1] == base[1]
+    assert len(calls) == 2 * 7 and all(lora is not None for lora in calls[:7])
+    runner.fused_decode = None  # the per-layer path: the same tokens
+    assert run(engine, jobs)[0] == tuned
