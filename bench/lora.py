@@ -2,6 +2,7 @@
 against the base model alone, at 8 and 32 requests at once (in-process, no HTTP).
 
     python bench/lora.py [--dtype bfloat16] [--rank 16] [--prompt-len 64] [--max-tokens 32]
+    OMP_NUM_THREADS=1 python bench/lora.py --vllm --concurrency 8   (vs vLLM's CPU build)
 
 Adapters are random rank-r LoRAs on every q/k/v/o/gate/up/down of the default model (PEFT's
 layout, written directly); requests take them round robin; --max-loras 16 so a step can hold
@@ -28,6 +29,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_loader.loader import resolve_model
 from engine.sampling_params import SamplingParams
 
+ROOT = Path(__file__).resolve().parent.parent
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -99,7 +101,18 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--vllm", action="store_true", help="base, 1 and 4 adapters vs vLLM's CPU")
+    p.add_argument("--vllm-venv", type=Path, default=ROOT / "bench" / ".venv-vllm")
     args = p.parse_args()
+    if args.vllm:
+        from lora_vllm import compare  # bench/lora_vllm.py
+
+        model = resolve_model(None)
+        cfg = AutoConfig.from_pretrained(model)
+        tmp = Path(tempfile.mkdtemp(prefix="lora-vllm-"))
+        adapters = [write_adapter(tmp / f"a{i}", cfg, args.rank, i) for i in range(4)]
+        compare(str(model), adapters, args, random.Random(0))
+        return
     steps = time_steps()
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     rng = random.Random(0)

@@ -18,7 +18,8 @@ from engine.distributed import check_tensor_parallel
 from engine.executor.executor import create_executor
 from engine.kv_events import create_publisher, to_events
 from engine.kv_offload.setup import attach_kv_offload
-from engine.lora.registry import LoRARegistry
+from engine.lora.registry import LoRARegistry, lora_unavailable
+from engine.lora.request import LoRAError
 from engine.model_loader.loader import resolve_model
 from engine.model_loader.weight_loader import check_tokenizer
 from engine.multimodal.processor import ImageInputProcessor
@@ -175,6 +176,10 @@ class LLMEngine:
         if lora is None:
             msg = f"The model `{lora_name}` does not exist."
             raise RequestRejectedError(msg, "model", "model_not_found")
+        try:  # in memory from here to the request's end; else refused now, never in a step
+            self.executor.admit_lora(lora, req)
+        except LoRAError as e:
+            raise RequestRejectedError(lora_unavailable(lora_name, e), "model") from None
         req.lora_request = lora
 
     def add_request(

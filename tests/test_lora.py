@@ -166,6 +166,53 @@ def test_unloaded_adapter_whose_folder_is_gone_and_slot_reused_finishes_its_requ
     assert not lora.retired  # the last request under it finished: its weights are dropped
 
 
+def test_evicted_adapter_whose_folder_is_gone_is_refused_at_admission(
+    tiny_model_dir, adapters, tmp_path
+):
+    """--max-cpu-loras 1: an adapter evicted from memory whose folder is then deleted (or whose
+    files change) is refused when a request asks for it, naming the adapter and the file; the
+    requests admitted before keep their weights in memory, evicted or not, and finish on them."""
+    import gc
+
+    prompt = make_prompts(1, seed=10, min_len=10, max_len=10)[0]
+    gone = shutil.copytree(adapters["attn"], tmp_path / "gone")
+    changed = shutil.copytree(adapters["qv"], tmp_path / "changed")
+    mods = {"gone": gone, "changed": changed, "mlp": adapters["mlp"]}
+    engine = make_engine(tiny_model_dir, mods, max_loras=1, max_cpu_loras=1)
+    lora = engine.runner.lora
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    engine.add_request("0", prompt, params, lora_name="gone")  # read back from the folder
+    engine.add_request("1", prompt, params, lora_name="mlp")  # evicts "gone" again
+    assert list(lora.loaded) == [engine.lora_registry.get("mlp").content_hash]
+    shutil.rmtree(gone)  # "0" is queued: its adapter is evicted and its folder gone
+    tokens = {"0": [], "1": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step()[0]:
+            tokens[out.request_id] += out.outputs[0].token_ids
+    assert tokens["0"] == peft_greedy(tiny_model_dir, adapters["attn"], [prompt], MAX_NEW)[0]
+    assert tokens["1"] == peft_greedy(tiny_model_dir, adapters["mlp"], [prompt], MAX_NEW)[0]
+    gc.collect()
+    with lora._lock:
+        lora._drain_released()
+    assert not lora.pinned  # both requests are gone: their pins too
+    with pytest.raises(ValueError, match="LoRA adapter `gone` cannot be served") as e:
+        engine.add_request("2", prompt, params, lora_name="gone")
+    assert e.value.param == "model"
+    assert f"{gone}: no such LoRA adapter folder" in str(e.value)
+    assert "evicted from memory (--max-cpu-loras 1)" in str(e.value)
+    assert "/v1/load_lora_adapter" in str(e.value)  # the fix
+    shutil.copy(adapters["attn"] / "adapter_model.safetensors", changed)  # other weights
+    with pytest.raises(ValueError, match=f"{changed}: its files changed"):
+        engine.add_request("3", prompt, params, lora_name="changed")
+    assert "2" not in engine.scheduler.requests and "3" not in engine.scheduler.requests
+    (tuned, base), _ = run(engine, [(prompt, "mlp"), (prompt, None)])  # still serving
+    assert tuned == tokens["1"]
+    assert base == peft_greedy(tiny_model_dir, None, [prompt], MAX_NEW)[0]
+    kv = engine.scheduler.kv_cache_manager
+    kv.check_integrity()
+    assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_blocks
+
+
 def test_unknown_adapter_is_refused(tiny_model_dir, adapters):
     engine = make_engine(tiny_model_dir, {"attn": adapters["attn"]})
     params = SamplingParams(temperature=0.0, max_tokens=2)

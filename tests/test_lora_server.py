@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import ServerProcess, build_byte_tokenizer
+from conftest import ServerProcess, build_byte_tokenizer, wait_idle
 from test_lora import ATTN, MLP, build_adapter, peft_greedy
 
 MAX_NEW = 8
@@ -158,3 +158,61 @@ def test_chat_picks_the_adapter_by_model(lora_server, tiny_model_dir):
     (expected,) = peft_greedy(tiny_model_dir, lora_server.paths["mlp"], [ids], MAX_NEW)
     assert out.model == "mlp"
     assert out.choices[0].message.content == tok.decode(expected)
+
+
+def test_evicted_adapter_whose_folder_is_gone_is_refused_and_the_server_serves_on(
+    tiny_model_dir, tmp_path
+):
+    """--max-cpu-loras 1 keeps only the last adapter loaded: the first, evicted, has its folder
+    deleted; a request for it gets a 400 naming the adapter, the missing folder and the fix,
+    before any step, and the server goes on serving the others with no KV block held."""
+    import shutil
+
+    gone = build_adapter(tiny_model_dir, tmp_path / "gone", 31, 8, ATTN, lora_alpha=16)
+    mlp = build_adapter(tiny_model_dir, tmp_path / "mlp", 32, 4, MLP, lora_alpha=8)
+    server = ServerProcess(
+        str(tiny_model_dir),
+        "--dtype", "float32", "--served-model-name", "tiny", "--enable-lora",
+        "--lora-modules", f"gone={gone}", f"mlp={mlp}", "--max-loras", "1", "--max-cpu-loras", "1",
+    )  # fmt: skip
+    try:
+        url = server.wait_ready().url
+        shutil.rmtree(gone)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        tok = build_byte_tokenizer()
+        ids = tok("evicted adapters")["input_ids"]
+
+        def complete(model: str, stream: bool = False):
+            return client.completions.create(
+                model=model, prompt="evicted adapters", max_tokens=MAX_NEW, temperature=0.0,
+                stream=stream, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                complete("gone", stream)
+            err = e.value.body
+            assert (
+                err["param"] == "model" and "LoRA adapter `gone` cannot be served" in err["message"]
+            )
+            assert f"{gone}: no such LoRA adapter folder" in err["message"]
+            assert "evicted from memory (--max-cpu-loras 1)" in err["message"]
+            assert "/v1/load_lora_adapter" in err["message"]
+        chat = httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": "gone", "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert (
+            chat.status_code == 400 and "`gone` cannot be served" in chat.json()["error"]["message"]
+        )
+        expected = tok.decode(
+            peft_greedy(tiny_model_dir, mlp, [ids], MAX_NEW)[0], skip_special_tokens=True
+        )
+        assert complete("mlp").choices[0].text == expected
+        expected = tok.decode(
+            peft_greedy(tiny_model_dir, None, [ids], MAX_NEW)[0], skip_special_tokens=True
+        )
+        assert complete("tiny").choices[0].text == expected
+        wait_idle(url)  # nothing running or waiting, every KV block free
+    finally:
+        server.stop()

@@ -93,6 +93,11 @@ class Executor(ABC):
     def remove_lora(self, lora_request) -> None:
         raise ValueError("LoRA adapters need the uni executor")
 
+    def admit_lora(self, lora_request, holder) -> None:
+        """A request (`holder`) admitted under the adapter: its weights in memory while it lives
+        (engine/lora/manager.py's admit); LoRAError if they cannot be read back."""
+        self.add_lora(lora_request)
+
 
 def create_executor(config: EngineConfig, model_dir, hf_config) -> Executor:
     if config.distributed_executor_backend == "uni":
@@ -133,6 +138,9 @@ class UniProcExecutor(Executor):
 
     def remove_lora(self, lora_request) -> None:
         self.runner.lora.remove(lora_request)
+
+    def admit_lora(self, lora_request, holder) -> None:
+        self.runner.lora.admit(lora_request, holder)
 
 
 # ---- the wire ------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from safetensors import safe_open
 
 from engine.lora.request import LoRAError, LoRARequest, adapter_files
 
-# HF module name -> (this model's fused linear, part index in it)
+# HF module name -> (this model's fused linear, part index in it; None: the whole linear, for
+# Phi-3's HF modules, fused as ours are)
 TARGETS = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
@@ -23,6 +24,8 @@ TARGETS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
+    "qkv_proj": ("qkv_proj", None),
+    "gate_up_proj": ("gate_up_proj", None),
 }
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
@@ -120,8 +123,13 @@ def _parse_key(weights_file, key: str, shapes: BaseShapes) -> tuple[int, str, st
             f"{sorted(TARGETS)} in the decoder layers)"
         )
     layer, module, which = int(m.group(1)), m.group(2), m.group(3)
-    if module not in TARGETS or module not in shapes.modules:
+    if module not in TARGETS:
         raise LoRAError(f"{weights_file}: tensor {key}: target module {module} is not supported")
+    if module not in shapes.modules:
+        raise LoRAError(
+            f"{weights_file}: tensor {key}: the base model has no module {module} (its "
+            f"targets: {sorted(shapes.modules)})"
+        )
     if layer >= shapes.num_layers:
         raise LoRAError(
             f"{weights_file}: tensor {key}: layer {layer} does not exist in the base model "

@@ -2,7 +2,9 @@
 
 Adapters are keyed by content hash: a reload with new weights under an old name is a new
 adapter (new slot contents, new prefix-cache salt). At most --max-cpu-loras stay loaded (LRU);
-one evicted and asked for again is read back from its folder. A step's distinct adapters take
+one evicted and asked for again is read back from its folder, at admission (`admit`): a folder
+gone or changed by then refuses the request, never a step. An admitted request's adapter stays
+in memory (pinned, evicted or not) until the request is gone. A step's distinct adapters take
 the --max-loras slots (a slot already holding one is reused without a copy).
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import replace
 
 import numpy as np
@@ -20,7 +22,7 @@ from torch import nn
 
 from engine.layers.lora import LoRABatch, LoRALinearWeights, wrap_lora
 from engine.lora.adapter import BaseShapes, LoRAAdapter, load_adapter
-from engine.lora.request import LoRAError, LoRARequest
+from engine.lora.request import LoRAError, LoRARequest, content_hash
 from pagedserve_kernels.cpu_ops import load_cpu_ops
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,22 @@ def _linears_of(layer: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+def _hf_names(name: str, model: nn.Module) -> tuple[str, ...]:
+    """The Hugging Face modules (PEFT's target names) a linear of ours stands for: q/k/v and
+    gate/up apart, or, for a model whose HF class fuses them (Phi-3), the fused linear itself."""
+    fused = getattr(model, "lora_fused_targets", ())
+    return (name,) if name in fused else _PARTS[name]
+
+
+def _split_fused(ab, sizes: list[int]) -> list:
+    """One adapter over a whole fused linear (A [r, in], B [sum(sizes), r]) as per-part
+    adapters: A shared by every part, B's rows split as the linear stacks its outputs."""
+    if ab is None:
+        return [None] * len(sizes)
+    a, b = ab
+    return [(a, rows) for rows in b.split(sizes)]
+
+
 def _part_sizes(name: str, lin: nn.Module) -> list[int]:
     if name == "qkv_proj":
         return [lin.q_size, lin.kv_size, lin.kv_size]
@@ -64,6 +82,7 @@ class LoRAManager:
         self.layers: list[dict[str, LoRALinearWeights]] = []
         modules: dict[str, tuple[int, int]] = {}
         layer_modules: list[frozenset[str]] = []
+        self.hf_names = {name: _hf_names(name, model) for name in _PARTS}
         for layer in model.model.layers:
             found = {}
             for name, lin in _linears_of(layer).items():
@@ -71,10 +90,11 @@ class LoRAManager:
                 weights = LoRALinearWeights(lin.in_features, sizes, self.batch, dtype, device)
                 wrap_lora(lin, weights)
                 found[name] = weights
-                for hf_name, size in zip(_PARTS[name], sizes):
-                    modules[hf_name] = (lin.in_features, size)
+                hf = self.hf_names[name]
+                outs = [sum(sizes)] if len(hf) == 1 else sizes
+                modules.update((h, (lin.in_features, n)) for h, n in zip(hf, outs))
             self.layers.append(found)
-            layer_modules.append(frozenset(hf for name in found for hf in _PARTS[name]))
+            layer_modules.append(frozenset(h for name in found for h in self.hf_names[name]))
         self.shapes = BaseShapes(modules, layer_modules)
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # content hash -> adapter
         # unloaded (or replaced in place) adapters, kept while a request still holds their
@@ -82,6 +102,12 @@ class LoRAManager:
         self.retired: weakref.WeakKeyDictionary[LoRARequest, LoRAAdapter] = (
             weakref.WeakKeyDictionary()
         )
+        # content hash -> (adapter, admitted requests alive under it): evicted or unloaded, its
+        # weights stay for them; the requests' finalizers queue their key on _released (any
+        # thread, at any time: a deque append, no lock), drained under the lock
+        self.pinned: dict[str, tuple[LoRAAdapter, int]] = {}
+        self._released: deque[str] = deque()
+        self._known: set[str] = set()  # every content hash ever read: a miss is a re-read
         self._lock = threading.Lock()  # load/unload come from the server's threads
         self.slots: list[str | None] = [None] * config.max_loras
         self.slot_scaling = torch.zeros(config.max_loras, dtype=torch.float32, device=device)
@@ -94,12 +120,15 @@ class LoRAManager:
         The files are read outside the lock: a load from the server never holds up a step."""
         key = request.content_hash
         with self._lock:
-            adapter = self.loaded.get(key)
+            self._drain_released()
+            adapter = self.loaded.get(key) or self.pinned.get(key, (None,))[0]
             if adapter is None and request in self.retired:
                 return self.retired[request]  # unloaded: its requests finish on these weights
+            reread = adapter is None and key in self._known
         if adapter is None:
-            adapter = load_adapter(request, self.shapes, self.max_rank)
+            adapter = self._read(request, reread)
         with self._lock:
+            self._known.add(key)
             self.loaded[key] = self.loaded.get(key, adapter)
             self.loaded.move_to_end(key)
             while len(self.loaded) > self.max_cpu_loras:
@@ -107,12 +136,52 @@ class LoRAManager:
                 logger.info("LoRA: adapter %s evicted from memory (--max-cpu-loras)", evicted[:12])
             return self.loaded[key]
 
+    def admit(self, request: LoRARequest, holder: object) -> None:
+        """A request (`holder`, the engine's Request) is admitted under the adapter: its weights
+        are in memory, read back from the folder if --max-cpu-loras evicted them (LoRAError
+        naming the missing or changed file: the request is refused), and stay there, pinned,
+        while `holder` lives: no step ever needs the folder for it."""
+        adapter = self.add(request)
+        key = request.content_hash
+        with self._lock:
+            self._drain_released()
+            held, count = self.pinned.get(key, (adapter, 0))
+            self.pinned[key] = (held, count + 1)
+        weakref.finalize(holder, self._released.append, key)
+
+    def _drain_released(self) -> None:
+        """Drops the pins of requests gone since (under the lock)."""
+        while self._released:
+            key = self._released.popleft()
+            adapter, count = self.pinned[key]
+            if count > 1:
+                self.pinned[key] = (adapter, count - 1)
+            else:
+                del self.pinned[key]
+
+    def _read(self, request: LoRARequest, reread: bool) -> LoRAAdapter:
+        """The adapter from its folder; a re-read (evicted) must find the same files."""
+        if not reread:
+            return load_adapter(request, self.shapes, self.max_rank)
+        why = f"LoRA adapter '{request.name}' was evicted from memory (--max-cpu-loras "
+        why += f"{self.max_cpu_loras}) and cannot be read back from {request.path}"
+        try:
+            if content_hash(request.path) != request.content_hash:
+                raise LoRAError(
+                    f"{request.path}: its files changed since the adapter was loaded (content "
+                    f"hash {request.content_hash[:12]}); reload it to serve the new weights"
+                )
+            return load_adapter(request, self.shapes, self.max_rank)
+        except LoRAError as e:
+            raise LoRAError(f"{why}: {e}") from None
+
     def remove(self, request: LoRARequest) -> None:
         """Drops the loaded copy. The requests already running under it keep its weights (held
         on their LoRARequest until the last one finishes), so they never need its folder
         again: it may be deleted, its slot reused, and they still finish on their adapter."""
         with self._lock:
             adapter = self.loaded.pop(request.content_hash, None)
+            adapter = adapter or self.pinned.get(request.content_hash, (None,))[0]
         if adapter is None:  # evicted (--max-cpu-loras): read it now, while the folder exists
             try:
                 adapter = load_adapter(request, self.shapes, self.max_rank)
@@ -175,7 +244,11 @@ class LoRAManager:
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         for layer, linears in enumerate(self.layers):
             for name, weights in linears.items():
-                parts = [adapter.weights.get((layer, hf)) for hf in _PARTS[name]]
+                hf = self.hf_names[name]
+                if len(hf) == 1:  # one adapter over the whole linear (Phi-3's fused ones)
+                    parts = _split_fused(adapter.weights.get((layer, hf[0])), weights.part_sizes)
+                else:
+                    parts = [adapter.weights.get((layer, h)) for h in hf]
                 weights.set_slot(slot, parts)
         self.slots[slot] = adapter.request.content_hash
         self.slot_scaling[slot] = adapter.scaling

@@ -60,3 +60,12 @@ class LoRARegistry:
 
     def get(self, name: str) -> LoRARequest | None:
         return self.adapters.get(name)
+
+
+def lora_unavailable(name: str, error: LoRAError) -> str:
+    """The refusal of a request whose adapter is registered but cannot be read back."""
+    return (
+        f"The LoRA adapter `{name}` cannot be served: {error}. Restore its folder, load it again "
+        "(POST /v1/load_lora_adapter with load_inplace) or unload it; a larger --max-cpu-loras "
+        "keeps more adapters in memory."
+    )

@@ -8,4 +8,6 @@ from engine.models.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    pass
+    # PEFT adapters name Hugging Face's modules, fused here too: their B spans the whole linear
+    # (engine/lora/manager.py splits its rows across q/k/v and gate/up)
+    lora_fused_targets = ("qkv_proj", "gate_up_proj")
