@@ -87,6 +87,7 @@ class Worker:
         from transformers import AutoConfig
 
         from engine.distributed import init_distributed
+        from engine.lora.workers import WorkerLoRAs
         from engine.runner.model_runner import ModelRunner, resolve_device
 
         cfg = spec.config
@@ -105,6 +106,7 @@ class Worker:
         hf_config = AutoConfig.from_pretrained(spec.model_dir)
         self.runner = ModelRunner(cfg, spec.model_dir, hf_config)
         self.mirrors: dict = {}
+        self.loras = WorkerLoRAs(self.runner.lora)  # the executor's adapter ops
         self.grammars = None
         if spec.rank == 0:  # only rank 0 samples, so only it masks
             from transformers import AutoTokenizer
@@ -139,6 +141,11 @@ class Worker:
             if kind == "shutdown":
                 barrier()
                 return
+            if kind == "lora":
+                error = self.loras.apply(*wire)
+                if driver:
+                    conn.send_bytes(pickle.dumps(("lora", error)))
+                continue
             if kind != "step":
                 continue
             if num_steps == self.fault_after:
@@ -164,6 +171,7 @@ class Worker:
             prompt = d.new_token_ids[: d.num_prompt_tokens]
             req = Request(d.request_id, prompt, d.params, d.eos_token_id, 0.0, d.eos_token_ids)
             req.all_token_ids.extend(d.new_token_ids[d.num_prompt_tokens :])
+            req.lora_request = self.loras.canonical(d.lora_request)
             spec = d.params.structured_outputs
             if spec is not None and self.grammars is not None:
                 req.grammar = self.grammars.compile(spec).new_matcher()

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.layers.lora import LoRABatch, LoRALinearWeights, wrap_lora
+from engine.layers.lora import LoRABatch, LoRALinearWeights
 from engine.lora.adapter import BaseShapes, LoRAAdapter, load_adapter
 from engine.lora.request import LoRAError, LoRARequest
+from engine.lora.sharding import full_shape, shard_adapter, wrap
 from pagedserve_kernels.cpu_ops import load_cpu_ops
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class LoRAManager:
         self.batch = LoRABatch(config.max_loras, self.max_rank, dtype, device, ops)
         self.device = device
         self.layers: list[dict[str, LoRALinearWeights]] = []
+        self._linear_of: dict[str, nn.Module] = {}  # HF module -> a linear (its TP sharding)
         modules: dict[str, tuple[int, int]] = {}
         layer_modules: list[frozenset[str]] = []
         for layer in model.model.layers:
@@ -69,10 +71,11 @@ class LoRAManager:
             for name, lin in _linears_of(layer).items():
                 sizes = _part_sizes(name, lin)
                 weights = LoRALinearWeights(lin.in_features, sizes, self.batch, dtype, device)
-                wrap_lora(lin, weights)
+                wrap(lin, weights)  # a row-parallel one: before its all-reduce
                 found[name] = weights
                 for hf_name, size in zip(_PARTS[name], sizes):
-                    modules[hf_name] = (lin.in_features, size)
+                    modules[hf_name] = full_shape(hf_name, lin, size)  # checked unsharded
+                    self._linear_of[hf_name] = lin
             self.layers.append(found)
             layer_modules.append(frozenset(hf for name in found for hf in _PARTS[name]))
         self.shapes = BaseShapes(modules, layer_modules)
@@ -98,7 +101,7 @@ class LoRAManager:
             if adapter is None and request in self.retired:
                 return self.retired[request]  # unloaded: its requests finish on these weights
         if adapter is None:
-            adapter = load_adapter(request, self.shapes, self.max_rank)
+            adapter = self._load(request)
         with self._lock:
             self.loaded[key] = self.loaded.get(key, adapter)
             self.loaded.move_to_end(key)
@@ -106,6 +109,10 @@ class LoRAManager:
                 evicted, _ = self.loaded.popitem(last=False)
                 logger.info("LoRA: adapter %s evicted from memory (--max-cpu-loras)", evicted[:12])
             return self.loaded[key]
+
+    def _load(self, request: LoRARequest) -> LoRAAdapter:
+        """Read, checked against the full shapes, cut to this rank's share (engine/lora/sharding)."""
+        return shard_adapter(load_adapter(request, self.shapes, self.max_rank), self._linear_of)
 
     def remove(self, request: LoRARequest) -> None:
         """Drops the loaded copy. The requests already running under it keep its weights (held
@@ -115,7 +122,7 @@ class LoRAManager:
             adapter = self.loaded.pop(request.content_hash, None)
         if adapter is None:  # evicted (--max-cpu-loras): read it now, while the folder exists
             try:
-                adapter = load_adapter(request, self.shapes, self.max_rank)
+                adapter = self._load(request)
             except LoRAError as e:
                 logger.warning("LoRA: unloaded adapter %s unreadable (%s)", request.name, e)
                 return
