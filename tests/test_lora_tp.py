@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 from conftest import ServerProcess, build_byte_tokenizer, make_prompts
-from test_lora import ATTN, MLP, MAX_NEW, build_adapter, make_engine, peft_greedy, run
+from test_lora import ATTN, MAX_NEW, MLP, build_adapter, make_engine, peft_greedy, run
 from test_tensor_parallel import build_case_dir
 
 

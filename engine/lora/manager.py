@@ -111,7 +111,7 @@ class LoRAManager:
             return self.loaded[key]
 
     def _load(self, request: LoRARequest) -> LoRAAdapter:
-        """Read, checked against the full shapes, cut to this rank's share (engine/lora/sharding)."""
+        """Read, checked unsharded, cut to this rank's share (engine/lora/sharding.py)."""
         return shard_adapter(load_adapter(request, self.shapes, self.max_rank), self._linear_of)
 
     def remove(self, request: LoRARequest) -> None:
