@@ -60,8 +60,6 @@ class LLMEngine:
         self.mm_processor = ImageInputProcessor.build(
             self.model_dir, self.hf_config, self.tokenizer, self.config.max_images_per_prompt
         )
-        if self.mm_processor is not None and self.config.distributed_executor_backend != "uni":
-            raise ValueError("image models run with tensor_parallel_size 1 (the uni executor) yet")
         self.executor = create_executor(self.config, self.model_dir, self.hf_config)
         self.scheduler = Scheduler(self.config, self.executor.num_blocks, self.executor.kv_windows)
         self.beams = BeamSearch(self.scheduler, self._decode)

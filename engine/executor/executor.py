@@ -147,6 +147,7 @@ class RequestDelta:
     eos_token_id: int | None = None
     eos_token_ids: frozenset[int] = frozenset()
     lora_request: object = None  # engine/lora LoRARequest (its content hash computed once)
+    mm_inputs: list | None = None  # engine/multimodal ImageInputs (pixels): every rank encodes
 
 
 class WireEncoder:
@@ -191,6 +192,7 @@ class WireEncoder:
             req.eos_token_id,
             req.eos_token_ids,
             req.lora_request,
+            req.mm_inputs or None,
         )
 
 

@@ -172,6 +172,7 @@ class Worker:
             req = Request(d.request_id, prompt, d.params, d.eos_token_id, 0.0, d.eos_token_ids)
             req.all_token_ids.extend(d.new_token_ids[d.num_prompt_tokens :])
             req.lora_request = self.loras.canonical(d.lora_request)
+            req.mm_inputs = d.mm_inputs or []  # the vision tower runs, replicated, on each rank
             spec = d.params.structured_outputs
             if spec is not None and self.grammars is not None:
                 req.grammar = self.grammars.compile(spec).new_matcher()
