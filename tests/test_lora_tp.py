@@ -8,9 +8,60 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+import torch
 from conftest import ServerProcess, build_byte_tokenizer, make_prompts
 from test_lora import ATTN, MAX_NEW, MLP, build_adapter, make_engine, peft_greedy, run
 from test_tensor_parallel import build_case_dir
+
+from engine.distributed import ParallelState
+
+
+class _Slice:
+    """A tensor as safetensors' get_slice serves it (the base linears' load_shard reads one)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def get_shape(self) -> list[int]:
+        return list(self.t.shape)
+
+    def __getitem__(self, index):
+        return self.t[index]
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_adapter_slices_follow_the_base_linears_shards(rank, num_kv_heads, monkeypatch):
+    """At each rank B_rank @ A_rank is exactly the slice of B @ A that the base linear's own
+    load_shard takes of a full weight (rows for q/k/v and gate/up, columns for o/down)."""
+    import engine.distributed as distributed
+    from engine.layers.linear import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+    from engine.lora.sharding import full_shape, shard_pair
+
+    monkeypatch.setattr(distributed, "_STATE", ParallelState(rank=rank, world_size=2))
+    qkv = QKVParallelLinear(64, 16, 4, num_kv_heads, False)
+    gate_up = MergedColumnParallelLinear(64, 128)
+    o, down = RowParallelLinear(64, 64), RowParallelLinear(128, 64)
+    cases = [
+        ("q_proj", qkv, "q", qkv.q_size), ("k_proj", qkv, "k", qkv.kv_size),
+        ("v_proj", qkv, "v", qkv.kv_size), ("o_proj", o, None, 64),
+        ("gate_proj", gate_up, "gate_proj", gate_up.part_size),
+        ("up_proj", gate_up, "up_proj", gate_up.part_size), ("down_proj", down, None, 64),
+    ]  # fmt: skip
+    gen = torch.Generator().manual_seed(rank)
+    for hf, lin, part, size in cases:
+        n_in, n_out = full_shape(hf, lin, size)
+        assert (n_in, n_out) == {"q_proj": (64, 64), "k_proj": (64, 16 * num_kv_heads),
+                                 "v_proj": (64, 16 * num_kv_heads), "o_proj": (64, 64),
+                                 "down_proj": (128, 64)}.get(hf, (64, 128))  # fmt: skip
+        a, b = torch.randn(8, n_in, generator=gen), torch.randn(n_out, 8, generator=gen)
+        a_rank, b_rank = shard_pair(hf, lin, a, b)
+        want = lin.load_shard("weight", part, _Slice(b @ a))
+        torch.testing.assert_close(b_rank @ a_rank, want, msg=hf)
 
 
 @pytest.fixture(scope="module")
