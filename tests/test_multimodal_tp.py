@@ -59,3 +59,12 @@ def test_qwen2_5_vl_at_two_ranks_matches_transformers(tmp_path, monkeypatch):
 def _no_cached_hf_models():
     yield
     qwen._HF.clear()  # a later test's model dir may reuse a path
+
+
+def test_other_image_models_are_refused_above_one_rank():
+    from engine.llm_engine import _check_tp_images
+
+    _check_tp_images("llava")
+    _check_tp_images("qwen2_5_vl")
+    with pytest.raises(ValueError, match="LLaVA and Qwen2.5-VL only yet, not gemma3"):
+        _check_tp_images("gemma3")  # untested above one rank: refused at start-up
