@@ -137,11 +137,6 @@ class EngineConfig:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
-        if self.enable_lora and self.distributed_executor_backend != "uni":
-            raise ValueError(
-                "enable_lora is not supported with tensor_parallel_size > 1 or "
-                "distributed_executor_backend 'mp' yet"
-            )
 
     def _resolve_defaults(self) -> None:
         if self.block_size is None:  # resolved once here, so every reader sees one number

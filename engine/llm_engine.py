@@ -62,8 +62,8 @@ class LLMEngine:
             self.model_dir, self.hf_config, self.tokenizer, self.config.max_images_per_prompt,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
         )  # fmt: skip
-        if self.mm_processor is not None and self.config.distributed_executor_backend != "uni":
-            raise ValueError("image models run with tensor_parallel_size 1 (the uni executor) yet")
+        if self.mm_processor is not None and self.config.tensor_parallel_size > 1:
+            _check_tp_images(self.hf_config.model_type)
         self.executor = create_executor(self.config, self.model_dir, self.hf_config)
         self.scheduler = Scheduler(self.config, self.executor.num_blocks, self.executor.kv_windows)
         self.beams = BeamSearch(self.scheduler, self._decode)
@@ -446,3 +446,11 @@ def _default_model_name(model: str | None) -> str:
     if model is None:
         return "SmolLM2-135M-Instruct"
     return model.rstrip("/")
+
+
+def _check_tp_images(model_type: str) -> None:
+    """Images above one rank: the vision-language models tested at tensor-parallel size 2."""
+    if model_type not in ("llava", "qwen2_5_vl"):
+        raise ValueError(
+            f"images with tensor_parallel_size > 1: LLaVA and Qwen2.5-VL only yet, not {model_type}"
+        )

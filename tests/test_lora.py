@@ -281,8 +281,7 @@ def test_lora_module_forms():
         parse_lora_module("nopath")
     with pytest.raises(ValueError, match="lora_modules needs enable_lora"):
         EngineConfig(model="x", lora_modules=("a=/b",))
-    with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel"):
-        EngineConfig(model="x", enable_lora=True, tensor_parallel_size=2)
+    assert EngineConfig(model="x", enable_lora=True, tensor_parallel_size=2).enable_lora  # TP
     with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be >= max_loras \(2\)"):
         EngineConfig(model="x", enable_lora=True, max_loras=2, max_cpu_loras=1)
 

@@ -154,6 +154,8 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     eos_token_id: int | None = None
     eos_token_ids: frozenset[int] = frozenset()
+    lora_request: object = None  # engine/lora LoRARequest (its content hash computed once)
+    mm_inputs: list | None = None  # engine/multimodal ImageInputs (pixels): every rank encodes
 
 
 class WireEncoder:
@@ -197,6 +199,8 @@ class WireEncoder:
             req.num_prompt_tokens,
             req.eos_token_id,
             req.eos_token_ids,
+            req.lora_request,
+            req.mm_inputs or None,
         )
 
 
@@ -329,6 +333,7 @@ class MultiprocExecutor(Executor):
         self.on_kv_tier_reports = lambda reports: None  # set by engine/kv_offload/tp_index.py
         self.stats = ExecutorStats()
         self.dead: str | None = None
+        self._pipe_lock = threading.Lock()  # a step and an adapter op share rank 0's pipe
         self._stopping = False
         self._wake_r, self._wake_w = os.pipe()  # shutdown wakes the watcher through it
         self._watcher = threading.Thread(target=self._watch, name="worker-watch", daemon=True)
@@ -341,6 +346,10 @@ class MultiprocExecutor(Executor):
         )
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        with self._pipe_lock:
+            return self._execute(out)
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.check_health()
         start = time.perf_counter()
         payload = self.encoder.encode(out)
@@ -389,6 +398,28 @@ class MultiprocExecutor(Executor):
         logger.error("executor dead: %s; stopping every worker", reason)
         self.workers.stop(graceful=False)
         raise EngineDeadError(reason)
+
+    def add_lora(self, lora_request) -> None:
+        self._lora_op("add", lora_request)
+
+    def remove_lora(self, lora_request) -> None:
+        self._lora_op("remove", lora_request)
+
+    def _lora_op(self, op: str, lora_request) -> None:
+        """Every rank loads (or drops) its share of the adapter between two steps
+        (engine/lora/workers.py); a refusal raises LoRAError as in one process."""
+        from engine.lora.workers import raise_lora_error
+
+        with self._pipe_lock:
+            self.check_health()
+            try:
+                self.workers.conns[0].send_bytes(pickle.dumps(("lora", (op, lora_request))))
+            except (OSError, ValueError):
+                self._die(self.workers.dead_worker() or "worker rank 0 closed its pipe")
+            kind, result = self._wait_result()
+        if kind != "lora":
+            self._die(self._dead_within(1.0) or f"worker rank {result[0]} failed: {result[1]}")
+        raise_lora_error(result)
 
     def release(self, request_id: str) -> None:
         self.encoder.num_sent.pop(request_id, None)  # workers drop theirs on finished_req_ids

@@ -88,6 +88,7 @@ class Worker:
 
         from engine.distributed import init_distributed
         from engine.kv_offload.tp_worker import attach_worker_tier
+        from engine.lora.workers import WorkerLoRAs
         from engine.runner.model_runner import ModelRunner, resolve_device
 
         cfg = spec.config
@@ -107,6 +108,7 @@ class Worker:
         self.runner = ModelRunner(cfg, spec.model_dir, hf_config)
         self.kv_tier = attach_worker_tier(cfg, spec.model_dir, self.runner)  # this rank's shard
         self.mirrors: dict = {}
+        self.loras = WorkerLoRAs(self.runner.lora)  # the executor's adapter ops
         self.grammars = None
         if spec.rank == 0:  # only rank 0 samples, so only it masks
             from transformers import AutoTokenizer
@@ -144,6 +146,11 @@ class Worker:
                     self.kv_tier.close()
                 barrier()
                 return
+            if kind == "lora":
+                error = self.loras.apply(*wire)
+                if driver:
+                    conn.send_bytes(pickle.dumps(("lora", error)))
+                continue
             if kind != "step":
                 continue
             if num_steps == self.fault_after:
@@ -171,6 +178,8 @@ class Worker:
             prompt = d.new_token_ids[: d.num_prompt_tokens]
             req = Request(d.request_id, prompt, d.params, d.eos_token_id, 0.0, d.eos_token_ids)
             req.all_token_ids.extend(d.new_token_ids[d.num_prompt_tokens :])
+            req.lora_request = self.loras.canonical(d.lora_request)
+            req.mm_inputs = d.mm_inputs or []  # the vision tower runs, replicated, on each rank
             spec = d.params.structured_outputs
             if spec is not None and self.grammars is not None:
                 req.grammar = self.grammars.compile(spec).new_matcher()

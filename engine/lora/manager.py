@@ -20,9 +20,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.layers.lora import LoRABatch, LoRALinearWeights, wrap_lora
+from engine.layers.lora import LoRABatch, LoRALinearWeights
 from engine.lora.adapter import BaseShapes, LoRAAdapter, load_adapter
 from engine.lora.request import LoRAError, LoRARequest, content_hash
+from engine.lora.sharding import full_shape, shard_adapter, wrap
 from pagedserve_kernels.cpu_ops import load_cpu_ops
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class LoRAManager:
         self.batch = LoRABatch(config.max_loras, self.max_rank, dtype, device, ops)
         self.device = device
         self.layers: list[dict[str, LoRALinearWeights]] = []
+        self._linear_of: dict[str, nn.Module] = {}  # HF module -> a linear (its TP sharding)
         modules: dict[str, tuple[int, int]] = {}
         layer_modules: list[frozenset[str]] = []
         self.hf_names = {name: _hf_names(name, model) for name in _PARTS}
@@ -88,11 +90,13 @@ class LoRAManager:
             for name, lin in _linears_of(layer).items():
                 sizes = _part_sizes(name, lin)
                 weights = LoRALinearWeights(lin.in_features, sizes, self.batch, dtype, device)
-                wrap_lora(lin, weights)
+                wrap(lin, weights)  # a row-parallel one: before its all-reduce
                 found[name] = weights
                 hf = self.hf_names[name]
-                outs = [sum(sizes)] if len(hf) == 1 else sizes
-                modules.update((h, (lin.in_features, n)) for h, n in zip(hf, outs))
+                outs = [sum(sizes)] if len(hf) == 1 else sizes  # a fused HF module: one pair
+                for hf_name, size in zip(hf, outs):
+                    modules[hf_name] = full_shape(hf_name, lin, size)  # checked unsharded
+                    self._linear_of[hf_name] = lin
             self.layers.append(found)
             layer_modules.append(frozenset(h for name in found for h in self.hf_names[name]))
         self.shapes = BaseShapes(modules, layer_modules)
@@ -162,7 +166,7 @@ class LoRAManager:
     def _read(self, request: LoRARequest, reread: bool) -> LoRAAdapter:
         """The adapter from its folder; a re-read (evicted) must find the same files."""
         if not reread:
-            return load_adapter(request, self.shapes, self.max_rank)
+            return self._load(request)
         why = f"LoRA adapter '{request.name}' was evicted from memory (--max-cpu-loras "
         why += f"{self.max_cpu_loras}) and cannot be read back from {request.path}"
         try:
@@ -171,9 +175,13 @@ class LoRAManager:
                     f"{request.path}: its files changed since the adapter was loaded (content "
                     f"hash {request.content_hash[:12]}); reload it to serve the new weights"
                 )
-            return load_adapter(request, self.shapes, self.max_rank)
+            return self._load(request)
         except LoRAError as e:
             raise LoRAError(f"{why}: {e}") from None
+
+    def _load(self, request: LoRARequest) -> LoRAAdapter:
+        """Read, checked unsharded, cut to this rank's share (engine/lora/sharding.py)."""
+        return shard_adapter(load_adapter(request, self.shapes, self.max_rank), self._linear_of)
 
     def remove(self, request: LoRARequest) -> None:
         """Drops the loaded copy. The requests already running under it keep its weights (held
@@ -184,7 +192,7 @@ class LoRAManager:
             adapter = adapter or self.pinned.get(request.content_hash, (None,))[0]
         if adapter is None:  # evicted (--max-cpu-loras): read it now, while the folder exists
             try:
-                adapter = load_adapter(request, self.shapes, self.max_rank)
+                adapter = self._load(request)
             except LoRAError as e:
                 logger.warning("LoRA: unloaded adapter %s unreadable (%s)", request.name, e)
                 return

@@ -65,6 +65,7 @@ _EXPERT = re.compile(r"(.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj)$")
 def shard_owner(model: nn.Module, name: str) -> tuple[nn.Module, str, str | None] | None:
     """(the layer whose load_shard slices checkpoint tensor `name`, the parameter leaf, the part
     of a fused parameter it is: q/k/v, gate_proj/up_proj), or None for a replicated tensor."""
+    name = getattr(model, "checkpoint_name", str)(name)  # a VLM's language_model.* prefixes
     prefix, _, leaf = name.rpartition(".")
     owner_path, _, proj = prefix.rpartition(".")
     expert = _EXPERT.match(prefix)

@@ -107,6 +107,14 @@ class LlavaMixin:
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """Our name of checkpoint tensor `name` (the loader's TP sharding looks the layer up)."""
+        for old, new in _RENAMES:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
     def load_weights(self, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
         renamed = {}
         for name, tensor in state.items():

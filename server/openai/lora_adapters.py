@@ -56,7 +56,7 @@ def install_lora_routes(app: FastAPI, engine: AsyncEngine) -> bool:
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         name = body.lora_name
         try:
-            engine.unload_lora(name)
+            await asyncio.to_thread(engine.unload_lora, name)  # mp: waits for a step to end
         except LoRANotFoundError as e:
             raise APIError(404, str(e), "NotFoundError", "lora_name") from e
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
