@@ -129,7 +129,7 @@ class Worker:
         )
 
     def loop(self, conn) -> None:
-        from engine.distributed import barrier, broadcast_bytes, collective_timer, get_tp
+        from engine.distributed import barrier, broadcast_bytes, get_tp
 
         driver, world = self.rank == 0, get_tp().world_size
         num_steps = 0
@@ -151,20 +151,24 @@ class Worker:
                 if driver:
                     conn.send_bytes(pickle.dumps(("lora", error)))
                 continue
-            if kind != "step":
-                continue
-            if num_steps == self.fault_after:
-                _segfault()
-            collective_timer.take()
-            start = time.perf_counter()
-            output = self.runner.execute(self.mirror(wire))
-            if self.kv_tier is not None:  # a gather every rank joins
-                output.kv_tier_reports = self.kv_tier.report()
-            num_steps += 1
-            if driver:
-                runner_s = time.perf_counter() - start
-                result = (output, collective_timer.take(), runner_s)
-                conn.send_bytes(pickle.dumps(("output", result), protocol=pickle.HIGHEST_PROTOCOL))
+            if kind == "step":
+                if num_steps == self.fault_after:
+                    _segfault()
+                self.step(conn if driver else None, wire)
+                num_steps += 1
+
+    def step(self, conn, wire) -> None:
+        """One step; the driver (the one with `conn`) sends the output back."""
+        from engine.distributed import collective_timer
+
+        collective_timer.take()
+        start = time.perf_counter()
+        output = self.runner.execute(self.mirror(wire))
+        if self.kv_tier is not None:  # a gather every rank joins
+            output.kv_tier_reports = self.kv_tier.report()
+        if conn is not None:
+            result = (output, collective_timer.take(), time.perf_counter() - start)
+            conn.send_bytes(pickle.dumps(("output", result), protocol=pickle.HIGHEST_PROTOCOL))
 
     def mirror(self, message):
         """The SchedulerOutput with this process's Request mirrors in place of the deltas."""
