@@ -78,6 +78,13 @@ def files(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
+    """A cache of this test's own, sharing the built CPU kernels (a server would rebuild)."""
+    from pagedserve_kernels.cpu_ops import _cache_root
+
+    kernels = _cache_root() / "kernels"
+    (tmp_path / "cache").mkdir()
+    if kernels.is_dir():
+        (tmp_path / "cache" / "kernels").symlink_to(kernels)
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
 
 
@@ -163,3 +170,41 @@ def test_non_vision_inputs_to_mmproj_are_refused(files, tmp_path, tiny_model_dir
         resolve_model(str(text), str(audio))
     with pytest.raises(ValueError, match="--mmproj file not found"):
         resolve_model(str(text), str(tmp_path / "missing.gguf"))
+
+
+def test_server_with_mmproj_flag_answers_an_image_like_transformers(files):
+    """`pagedserve serve text.gguf --mmproj mmproj.gguf` and the official openai client with a
+    data: URL: the reply is transformers' greedy continuation of the same prompt and pixels."""
+    from conftest import ServerProcess
+    from openai import OpenAI
+    from test_multimodal import MAX_NEW, data_url, png_bytes, url_part
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    llava, text, mmproj = files
+    server = ServerProcess(
+        str(text), "--mmproj", str(mmproj), "--dtype", "float32", "--served-model-name", "v"
+    )
+    try:
+        client = OpenAI(base_url=server.wait_ready().url + "/v1", api_key="x")
+        image = random_image(4)
+        content = [url_part(data_url(png_bytes(image))), {"type": "text", "text": "and this?"}]
+        reply = client.chat.completions.create(
+            model="v",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=MAX_NEW,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        cards = client.models.list().data
+    finally:
+        server.stop()
+    tok = AutoTokenizer.from_pretrained(llava)
+    chat = "<|im_start|>user\n<image>\nand this?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode(chat)
+    at = ids.index(tok.convert_tokens_to_ids(IMAGE_TOKEN))
+    ids = ids[:at] + ids[at : at + 1] * 16 + ids[at + 1 :]
+    pixels = AutoImageProcessor.from_pretrained(llava)(images=[image], return_tensors="pt")
+    want = hf_llava_greedy(llava, ids, [pixels["pixel_values"][0]])
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
+    assert [c.id for c in cards] == ["v"]
