@@ -223,8 +223,10 @@ def _legacy_clip_name(hf_name: str) -> str:
     of LLaVA 1.5 style mmproj files, projector type mlp): linear_1/linear_2 -> mm.0/mm.2, the
     tower's names shortened, and its fc1 stored as ffn_down, fc2 as ffn_up."""
     if hf_name.startswith("multi_modal_projector."):
-        return hf_name.replace("multi_modal_projector", "mm").replace("linear_1", "0").replace(
-            "linear_2", "2"
+        return (
+            hf_name.replace("multi_modal_projector", "mm")
+            .replace("linear_1", "0")
+            .replace("linear_2", "2")
         )
     name = hf_name.replace("vision_model", "v").replace("encoder.layers", "blk")
     name = name.replace("embeddings.", "").replace("_proj", "").replace("self_attn.", "attn_")
@@ -250,7 +252,9 @@ def write_llava_mmproj(model_dir: Path, path: Path, swap_ffn: bool = True, **ove
     state = load_file(str(model_dir / "model.safetensors"))
     n = vcfg.num_hidden_layers
     feature = cfg.vision_feature_layer
-    layers = [i if i >= 0 else n + i + 1 for i in ([feature] if isinstance(feature, int) else feature)]
+    layers = [
+        i if i >= 0 else n + i + 1 for i in ([feature] if isinstance(feature, int) else feature)
+    ]
     w = gguf.GGUFWriter(str(path), "clip")
     keys = {
         "clip.has_text_encoder": False,
@@ -278,7 +282,9 @@ def write_llava_mmproj(model_dir: Path, path: Path, swap_ffn: bool = True, **ove
     for hf_name, weight in state.items():
         name = hf_name.removeprefix("model.")  # transformers 5's layout, or the classic one
         if name.startswith("vision_tower."):
-            name = "vision_model." + name.removeprefix("vision_tower.").removeprefix("vision_model.")
+            name = "vision_model." + name.removeprefix("vision_tower.").removeprefix(
+                "vision_model."
+            )
         elif not name.startswith("multi_modal_projector."):
             continue  # the text model: the text GGUF's
         parts = name.split(".")
