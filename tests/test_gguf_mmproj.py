@@ -208,3 +208,48 @@ def test_server_with_mmproj_flag_answers_an_image_like_transformers(files):
     assert reply.usage.prompt_tokens == len(ids)
     assert reply.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
     assert [c.id for c in cards] == ["v"]
+
+
+def test_q8_text_gguf_plus_mmproj_matches_transformers_and_runs_packed(files, tmp_path):
+    """The usual shipment: a quantized text GGUF beside the mmproj. float32 (dequantized text
+    weights) equals transformers' LLaVA on the same dequantized weights; bf16 serves the text
+    side's linears from the packed Q8_0 blocks."""
+    import shutil
+
+    import gguf
+    from safetensors.numpy import load_file, save_file
+
+    llava, _, mmproj = files
+    text = tmp_path / "q8.gguf"
+    write_gguf(
+        _text_folder(llava, tmp_path / "q8-hf"),
+        text,
+        "llama",
+        "Q8",
+        gguf.GGMLQuantizationType.Q8_0,
+        tokenizer=_tokenizer(),
+    )
+    joined = resolve_model(str(text), str(mmproj))
+    assert (joined / "gguf_blocks.bin").is_file()
+    ref = tmp_path / "ref"  # the LLaVA with the text side's dequantized weights
+    shutil.copytree(llava, ref)
+    state = {
+        n: w
+        for n, w in load_file(str(ref / "model.safetensors")).items()
+        if "language_model" not in n
+    }
+    for name, weight in load_file(str(joined / "model.safetensors")).items():
+        state["language_model." + name] = weight  # the classic layout transformers reads
+    save_file(state, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    engine = _engine(text, mmproj)
+    prompt = image_prompt(engine, "q8", [random_image(6)])
+    got = generate(engine, {"q": prompt})["q"]
+    assert got == hf_llava_greedy(ref, prompt[0], [prompt[1][0].pixel_values])
+    engine = _engine(text, mmproj, dtype="bfloat16")
+    packed = [
+        n
+        for n, m in engine.runner.model.named_modules()
+        if getattr(m, "quantization", None) == "gguf"
+    ]
+    assert len(packed) == 2 * 4 + 1  # qkv, o, gate_up, down per layer (fused), and the head
+    assert len(generate(engine, {"b": image_prompt(engine, "q8", [random_image(6)])})["b"]) == 8
