@@ -58,6 +58,18 @@ def _text_folder(llava_dir, out):
     return out
 
 
+def _replace_text(llava_dir, source_dir) -> None:
+    """llava_dir's text side replaced by source_dir's (so one text GGUF serves both)."""
+    from safetensors.numpy import load_file, save_file
+
+    path = llava_dir / "model.safetensors"
+    state = {n: w for n, w in load_file(str(path)).items() if "language_model" not in n}
+    for name, weight in load_file(str(source_dir / "model.safetensors")).items():
+        if "language_model" in name:
+            state[name] = weight
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
 def _tokenizer():
     tok = build_byte_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
@@ -93,19 +105,32 @@ def _engine(text, mmproj, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(**(cfg | {"max_model_len": 512} | kw)))
 
 
-@pytest.mark.parametrize("swap_ffn", [True, False], ids=["legacy-ffn", "gguf-py-ffn"])
-def test_text_gguf_plus_mmproj_matches_transformers(files, swap_ffn, tmp_path):
+@pytest.mark.parametrize("variant", ["legacy-ffn", "gguf-py-ffn", "siglip"], ids=lambda v: v)
+def test_text_gguf_plus_mmproj_matches_transformers(files, variant, tmp_path):
+    """CLIP tower (class token dropped) with both fc1 namings; a SigLIP tower (every row)."""
     llava, text, mmproj = files
-    if not swap_ffn:
+    if variant == "gguf-py-ffn":
         mmproj = tmp_path / "mmproj-gguf-py.gguf"
         write_llava_mmproj(llava, mmproj, swap_ffn=False)
+    elif variant == "siglip":  # the same text model, another tower and projector
+        llava = build_tiny_llava_dir(tmp_path / "siglip", seed=3, tower="siglip")
+        _replace_text(llava, files[0])
+        _round_patch_embedding(llava)
+        mmproj = tmp_path / "mmproj-siglip.gguf"
+        write_llava_mmproj(llava, mmproj)
     engine = _engine(text, mmproj)
-    from transformers import AutoImageProcessor
+    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
 
     theirs = AutoImageProcessor.from_pretrained(llava)
     image = random_image(1)
     ours = engine.mm_processor.pixels(image, "image")
     assert torch.equal(ours, theirs(images=[image], return_tensors="pt")["pixel_values"][0])
+    hf = LlavaForConditionalGeneration.from_pretrained(llava, dtype=torch.float32).eval()
+    with torch.inference_mode():  # the tower and projector themselves, not only the tokens
+        want = hf.model.get_image_features(pixel_values=ours[None])
+        want = getattr(want, "pooler_output", want)
+        got = engine.runner.model.embed_images(ours[None])
+    torch.testing.assert_close(got[0], torch.cat(list(want)), rtol=1e-5, atol=1e-5)
     one = image_prompt(engine, "what is this?", [random_image(1)])
     two = image_prompt(engine, "compare them", [random_image(2), random_image(3)])
     got = generate(engine, {"one": one, "two": two})

@@ -42,6 +42,7 @@ _GLOBAL_NAMES = {
     "v.post_ln": "post_layernorm",
 }
 _PROJECTOR_NAMES = {"mm.0": "linear_1", "mm.2": "linear_2"}
+_UNUSED = ("v.head.",)  # SigLIP's pooling head, which LLaVA never reads (clip.cpp neither)
 TOWER_PREFIX = "model.vision_tower.vision_model."
 PROJECTOR_PREFIX = "model.multi_modal_projector."
 
@@ -172,7 +173,8 @@ def hf_tensors(mm: MmprojFile) -> dict[str, Any]:
     out: dict[str, Any] = {}
     hidden = int(mm.vision("embedding_length"))
     for name, array in mm.tensors.items():
-        out[_hf_name(mm, name)] = array
+        if not name.startswith(_UNUSED):
+            out[_hf_name(mm, name)] = array
     for layer in range(int(mm.vision("block_count"))):
         up = f"{TOWER_PREFIX}encoder.layers.{layer}.mlp.fc1"
         down = f"{TOWER_PREFIX}encoder.layers.{layer}.mlp.fc2"
