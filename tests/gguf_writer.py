@@ -278,7 +278,8 @@ def write_llava_mmproj(model_dir: Path, path: Path, swap_ffn: bool = True, **ove
         "clip.use_gelu": vcfg.hidden_act == "gelu",
     } | overrides
     for key, value in keys.items():
-        _add_key(w, key, value)
+        if value is not None:  # None: leave the key out
+            _add_key(w, key, value)
     for hf_name, weight in state.items():
         name = hf_name.removeprefix("model.")  # transformers 5's layout, or the classic one
         if name.startswith("vision_tower."):

@@ -160,6 +160,18 @@ def test_mmproj_of_another_projector_type_is_refused(files, tmp_path):
         resolve_model(str(text), str(bad))
 
 
+def test_llava_next_tiles_and_missing_keys_are_refused(files, tmp_path):
+    llava, text, _ = files
+    tiled = tmp_path / "next.gguf"
+    write_llava_mmproj(llava, tiled, **{"clip.vision.image_grid_pinpoints": [336, 672]})
+    with pytest.raises(ValueError, match="LLaVA-NeXT's tiled images"):
+        resolve_model(str(text), str(tiled))
+    sizeless = tmp_path / "sizeless.gguf"
+    write_llava_mmproj(llava, sizeless, **{"clip.vision.image_size": None})
+    with pytest.raises(ValueError, match="clip.vision.image_size missing"):
+        resolve_model(str(text), str(sizeless))
+
+
 def test_mmproj_for_another_embedding_size_is_refused(files, tmp_path):
     llava, _, mmproj = files
     wide = _text_folder(llava, tmp_path / "wide-text")

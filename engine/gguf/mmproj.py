@@ -77,10 +77,24 @@ class MmprojFile:
                 f"--mmproj {self.path.name}: projector type {self.projector_type!r} is not "
                 f"supported (supported: {', '.join(SUPPORTED_PROJECTORS)})"
             )
+        if self.vision("image_grid_pinpoints") is not None or self.vision(
+            "mm_patch_merge_type", "flat"
+        ) not in ("flat", None):
+            raise ValueError(
+                f"--mmproj {self.path.name}: LLaVA-NeXT's tiled images (image_grid_pinpoints, "
+                "spatial_unpad) are not supported; LLaVA 1.5 style single-tile files are"
+            )
         self.tensors = _read_tensors(self.path, reader)
 
     def vision(self, key: str, default: Any = None) -> Any:
         return self.meta.get(f"clip.vision.{key}", default)
+
+    def need(self, key: str) -> Any:
+        """clip.vision.<key>, or a ValueError naming the missing key."""
+        value = self.vision(key)
+        if value is None:
+            raise ValueError(f"--mmproj {self.path.name}: metadata key clip.vision.{key} missing")
+        return value
 
 
 def _read_tensors(path: Path, reader: Any) -> dict[str, Any]:
@@ -109,13 +123,13 @@ def vision_config(mm: MmprojFile) -> dict[str, Any]:
         act = "gelu_pytorch_tanh" if siglip else "quick_gelu"
     return {
         "model_type": "siglip_vision_model" if siglip else "clip_vision_model",
-        "hidden_size": int(mm.vision("embedding_length")),
-        "intermediate_size": int(mm.vision("feed_forward_length")),
-        "num_hidden_layers": int(mm.vision("block_count")),
-        "num_attention_heads": int(mm.vision("attention.head_count")),
+        "hidden_size": int(mm.need("embedding_length")),
+        "intermediate_size": int(mm.need("feed_forward_length")),
+        "num_hidden_layers": int(mm.need("block_count")),
+        "num_attention_heads": int(mm.need("attention.head_count")),
         "layer_norm_eps": float(mm.vision("attention.layer_norm_epsilon", 1e-5)),
-        "image_size": int(mm.vision("image_size")),
-        "patch_size": int(mm.vision("patch_size")),
+        "image_size": int(mm.need("image_size")),
+        "patch_size": int(mm.need("patch_size")),
         "num_channels": 3,
         "hidden_act": act,
     }
@@ -159,23 +173,23 @@ def image_processor(mm: MmprojFile):
     shortest edge, centre crop, rescale, normalise: LLaVA 1.5's own preprocessing)."""
     from transformers import CLIPImageProcessor
 
-    size = int(mm.vision("image_size"))
+    size = int(mm.need("image_size"))
     return CLIPImageProcessor(
         size={"shortest_edge": size},
         crop_size={"height": size, "width": size},
-        image_mean=[float(x) for x in mm.vision("image_mean")],
-        image_std=[float(x) for x in mm.vision("image_std")],
+        image_mean=[float(x) for x in mm.need("image_mean")],
+        image_std=[float(x) for x in mm.need("image_std")],
     )
 
 
 def hf_tensors(mm: MmprojFile) -> dict[str, Any]:
     """The tower and projector under LlavaForConditionalGeneration's names."""
     out: dict[str, Any] = {}
-    hidden = int(mm.vision("embedding_length"))
+    hidden = int(mm.need("embedding_length"))
     for name, array in mm.tensors.items():
         if not name.startswith(_UNUSED):
             out[_hf_name(mm, name)] = array
-    for layer in range(int(mm.vision("block_count"))):
+    for layer in range(int(mm.need("block_count"))):
         up = f"{TOWER_PREFIX}encoder.layers.{layer}.mlp.fc1"
         down = f"{TOWER_PREFIX}encoder.layers.{layer}.mlp.fc2"
         if f"{down}.weight" in out and out[f"{down}.weight"].shape[1] == hidden:
