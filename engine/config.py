@@ -25,6 +25,7 @@ GPU_MAX_NUM_BATCHED_TOKENS = 2048
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF folder, .gguf file, or None for the embedded default
+    mmproj: str | None = None  # llama.cpp's vision tower + projector GGUF for a .gguf model
     served_model_name: str | None = None
     max_model_len: int | None = None  # None: the model's own limit
     block_size: int | None = None  # None: 16, or 256 where flash-attn 2 will run

@@ -43,7 +43,7 @@ _SPEC_LOG_INTERVAL = 10.0  # seconds between speculative decoding log lines
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.model_dir = resolve_model(config.model)
+        self.model_dir = resolve_model(config.model, config.mmproj)
         self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         if config.runner == "pooling":  # engine/pooling_llm.py: Qwen3Model runs as its LM class
             from engine.runner.pooling_runner import decoder_architecture

@@ -259,7 +259,7 @@ def _prepare(config: EngineConfig, stage) -> EngineConfig:
     from pagedserve_kernels import cpu_ops
 
     stage("reading the model (a GGUF is converted on first use)")
-    resolve_model(config.model)  # cached: the engine's own call finds the result
+    resolve_model(config.model, config.mmproj)  # cached: the engine's own call finds the result
     if config.device in ("auto", "cpu") and cpu_ops.cpu_kernels_enabled():
         if not cpu_ops.is_built():
             stage(f"compiling the CPU kernels ({cpu_ops.BUILD_TIME_HINT})")
@@ -284,7 +284,7 @@ def run_headless(args: argparse.Namespace) -> int:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
-        model_dir = resolve_model(args.model)
+        model_dir = resolve_model(args.model, getattr(args, "mmproj", None))
         hf_config = AutoConfig.from_pretrained(model_dir)
         config = resolve_config(engine_config(args), hf_config)
         check_tensor_parallel(hf_config, config.tensor_parallel_size)

@@ -22,6 +22,13 @@ def add_gguf_args(p) -> None:
         "--quantization gguf); dense: dequantized to --dtype (with float32, the exact path "
         "whose greedy tokens equal transformers') (default: auto)",
     )
+    p.add_argument(
+        "--mmproj",
+        metavar="PATH",
+        help="llama.cpp's mmproj GGUF (vision tower + projector) for a .gguf text model, as "
+        "llama-server --mmproj: the model then takes images (projector type mlp, LLaVA) "
+        "(default: none)",
+    )
 
 
 def add_tool_args(p) -> None:

@@ -64,10 +64,18 @@ def write_file(writer) -> None:
 
 # ---- a test folder as a GGUF ------------------------------------------------------------------
 def write_gguf(
-    model_dir: Path, path: Path, arch: str, name: str, qtype=None, add_bos: bool | None = None
+    model_dir: Path,
+    path: Path,
+    arch: str,
+    name: str,
+    qtype=None,
+    add_bos: bool | None = None,
+    tokenizer=None,
 ) -> dict:
-    """Write `model_dir` (saved with conftest's byte tokenizer) as a GGUF of `arch`, matrices
-    quantized to `qtype`; returns {GGUF tensor name: (HF names, qtype)}."""
+    """Write `model_dir` (saved with conftest's byte tokenizer, or `tokenizer`: its special
+    added tokens, such as LLaVA's <image>, stored as CONTROL tokens as llama.cpp's converter
+    does) as a GGUF of `arch`, matrices quantized to `qtype`; returns {GGUF tensor name: (HF
+    names, qtype)}."""
     import gguf
     import numpy as np
     from conftest import CHAT_TEMPLATE, build_byte_tokenizer
@@ -76,7 +84,7 @@ def write_gguf(
 
     cfg = AutoConfig.from_pretrained(model_dir)
     state = load_file(str(model_dir / "model.safetensors"))
-    tokenizer = build_byte_tokenizer()
+    tokenizer = tokenizer or build_byte_tokenizer()
     gguf_name = tensor_names(arch, cfg.num_hidden_layers)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -117,7 +125,8 @@ def write_gguf(
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
-    w.add_token_types([3] * 3 + [1] * (len(tokenizer) - 3))
+    # the 3 special tokens, the 256 bytes, then any special token added on top (CONTROL)
+    w.add_token_types([1 if 3 <= i < 259 else 3 for i in range(len(tokenizer))])
     # No merges: transformers then derives them from scores, which for bytes alone is none.
     w.add_token_scores([0.0] * len(tokenizer))
     w.add_bos_token_id(tokenizer.bos_token_id)
@@ -206,3 +215,102 @@ def _random_k_blocks(name: str, shape, qtype):
     for offset in K_SCALE_OFFSETS[qtype]:
         blocks[..., offset : offset + 2] = scale
     return blocks.reshape(*shape[:-1], -1)
+
+
+# ---- llama.cpp's mmproj file of a LLaVA model -------------------------------------------------
+def _legacy_clip_name(hf_name: str) -> str:
+    """tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py's tensor names (the converter
+    of LLaVA 1.5 style mmproj files, projector type mlp): linear_1/linear_2 -> mm.0/mm.2, the
+    tower's names shortened, and its fc1 stored as ffn_down, fc2 as ffn_up."""
+    if hf_name.startswith("multi_modal_projector."):
+        return (
+            hf_name.replace("multi_modal_projector", "mm")
+            .replace("linear_1", "0")
+            .replace("linear_2", "2")
+        )
+    name = hf_name.replace("vision_model", "v").replace("encoder.layers", "blk")
+    name = name.replace("embeddings.", "").replace("_proj", "").replace("self_attn.", "attn_")
+    name = name.replace("layer_norm", "ln").replace("layernorm", "ln")
+    name = name.replace("mlp.fc1", "ffn_down").replace("mlp.fc2", "ffn_up")
+    return name.replace("embedding", "embd").replace("layrnorm", "ln")
+
+
+def write_llava_mmproj(model_dir: Path, path: Path, swap_ffn: bool = True, **overrides) -> None:
+    """The image side of a transformers LLaVA folder (CLIP tower) as llama.cpp's legacy
+    converter writes it with --use-f32: arch `clip`, the clip.vision.* keys, the tower cut
+    after its deepest feature layer (post_layernorm dropped), the 4-D patch embedding in F16.
+    swap_ffn=False names fc1 ffn_up as gguf-py's own V_ENC_FFN_UP map does. overrides replace
+    metadata values (key -> value) to make broken files."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig, AutoImageProcessor
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    vcfg = cfg.vision_config
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    state = load_file(str(model_dir / "model.safetensors"))
+    n = vcfg.num_hidden_layers
+    feature = cfg.vision_feature_layer
+    layers = [
+        i if i >= 0 else n + i + 1 for i in ([feature] if isinstance(feature, int) else feature)
+    ]
+    w = gguf.GGUFWriter(str(path), "clip")
+    keys = {
+        "clip.has_text_encoder": False,
+        "clip.has_vision_encoder": True,
+        "clip.has_llava_projector": True,
+        "general.file_type": 0,
+        "general.name": "tiny-llava",
+        "general.description": "image encoder for LLaVA",
+        "clip.projector_type": "mlp",
+        "clip.vision.image_size": vcfg.image_size,
+        "clip.vision.patch_size": vcfg.patch_size,
+        "clip.vision.embedding_length": vcfg.hidden_size,
+        "clip.vision.feed_forward_length": vcfg.intermediate_size,
+        "clip.vision.projection_dim": getattr(vcfg, "projection_dim", 0),
+        "clip.vision.attention.head_count": vcfg.num_attention_heads,
+        "clip.vision.attention.layer_norm_epsilon": float(vcfg.layer_norm_eps),
+        "clip.vision.block_count": max(layers),
+        "clip.vision.feature_layer": layers,
+        "clip.vision.image_mean": [float(x) for x in processor.image_mean],
+        "clip.vision.image_std": [float(x) for x in processor.image_std],
+        "clip.use_gelu": vcfg.hidden_act == "gelu",
+    } | overrides
+    for key, value in keys.items():
+        if value is not None:  # None: leave the key out
+            _add_key(w, key, value)
+    for hf_name, weight in state.items():
+        name = hf_name.removeprefix("model.")  # transformers 5's layout, or the classic one
+        if name.startswith("vision_tower."):
+            name = "vision_model." + name.removeprefix("vision_tower.").removeprefix(
+                "vision_model."
+            )
+        elif not name.startswith("multi_modal_projector."):
+            continue  # the text model: the text GGUF's
+        parts = name.split(".")
+        if "post_layernorm" in name or "position_ids" in name:
+            continue
+        if len(parts) > 3 and parts[2] == "layers" and int(parts[3]) >= max(layers):
+            continue
+        target = _legacy_clip_name(name)
+        if not swap_ffn:
+            target = target.replace("ffn_down", "FFN_UP").replace("ffn_up", "ffn_down")
+            target = target.replace("FFN_UP", "ffn_up")
+        if weight.ndim == 4:
+            weight = weight.astype(np.float16)
+        w.add_tensor(target, weight)
+    write_file(w)
+
+
+def _add_key(w, key: str, value) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    else:
+        w.add_array(key, list(value))

@@ -47,8 +47,16 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedserve"
 
 
-def resolve_model(model: str | None) -> Path:
-    """Return a local folder with config.json, model.safetensors and tokenizer files."""
+def resolve_model(model: str | None, mmproj: str | None = None) -> Path:
+    """Return a local folder with config.json, model.safetensors and tokenizer files; with
+    mmproj (llama.cpp's vision tower + projector GGUF) the text GGUF's LLaVA folder."""
+    if mmproj:
+        from engine.model_loader.mmproj_folder import build_llava_folder
+
+        if not _is_gguf_model(model):
+            msg = "--mmproj goes with a .gguf text model (a folder carries its own vision tower)"
+            raise ValueError(msg)
+        return build_llava_folder(resolve_model(model), Path(mmproj), default_cache_dir())
     if not model:
         return _convert_cached(default_gguf_path(), DEFAULT_NAME)
     package = FOLDER_ALIASES.get(model, model)
@@ -69,6 +77,10 @@ def resolve_model(model: str | None) -> Path:
         f"the model packages {', '.join((*PACKAGED_GGUFS, *PACKAGED_FOLDERS))}; pagedserve "
         "never downloads from a model hub (give no model for the embedded default)"
     )
+
+
+def _is_gguf_model(model: str | None) -> bool:
+    return not model or model in PACKAGED_GGUFS or Path(model).suffix.lower() == ".gguf"
 
 
 def default_gguf_path() -> Path:

@@ -1,0 +1,87 @@
+"""A text GGUF plus llama.cpp's `mmproj` GGUF (`--mmproj`) as one Hugging Face LLaVA folder in
+the cache: the text folder's files (converted once by loader.py, linked here, its packed blocks
+included), config.json of LlavaForConditionalGeneration (text_config from the text GGUF, the
+tower from the mmproj's clip.vision.* keys), the tower and projector as mmproj.safetensors,
+and preprocessor_config.json of transformers' CLIPImageProcessor at the mmproj's image size,
+mean and std. engine/models/llava.py then serves it as any LLaVA folder.
+
+The image placeholder is the text vocabulary's `<image>` token (the one a Hugging Face LLaVA
+checkpoint adds and llama.cpp's text converter keeps); a vocabulary without one is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+IMAGE_TOKEN = "<image>"
+MMPROJ_WEIGHTS = "mmproj.safetensors"
+_TEXT_ONLY = ("config.json", ".pagedserve-complete.json")
+
+
+def build_llava_folder(text_dir: Path, mmproj_path: Path, cache: Path) -> Path:
+    """The LLaVA folder of text_dir (a converted text GGUF) with mmproj_path's image side,
+    made once per (text folder, mmproj file) and reused."""
+    from engine.model_loader.loader import MARKER, _is_complete
+
+    mmproj_path = Path(mmproj_path).expanduser()
+    if not mmproj_path.is_file():
+        raise ValueError(f"--mmproj file not found: {mmproj_path}")
+    mmproj_path = mmproj_path.resolve()
+    st = mmproj_path.stat()
+    key = f"{text_dir}|{mmproj_path}|{st.st_size}|{st.st_mtime_ns}"
+    target = cache / f"{text_dir.name}+{mmproj_path.stem}-{_digest(key)}"
+    fingerprint = {"text": str(text_dir), "mmproj": mmproj_path.name, "size": st.st_size}
+    if _is_complete(target, fingerprint):
+        return target
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=cache))
+    try:
+        _write_folder(text_dir, mmproj_path, tmp)
+        (tmp / MARKER).write_text(json.dumps(fingerprint))
+        tmp.chmod(0o755)
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"pagedserve: {mmproj_path.name} joined to the text model at {target}", file=sys.stderr)
+    return target
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
+def _write_folder(text_dir: Path, mmproj_path: Path, out: Path) -> None:
+    from engine.gguf import mmproj as mm_lib
+    from engine.gguf.convert import save_weights
+
+    mm = mm_lib.MmprojFile(mmproj_path)
+    text_config = json.loads((text_dir / "config.json").read_text())
+    image_token_id = _image_token_id(text_dir, mmproj_path)
+    config = mm_lib.llava_config(mm, text_config, image_token_id)
+    for item in text_dir.iterdir():
+        if item.name not in _TEXT_ONLY:
+            os.symlink(item, out / item.name)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_weights(mm_lib.hf_tensors(mm), out / MMPROJ_WEIGHTS)
+    mm_lib.image_processor(mm).save_pretrained(out)
+
+
+def _image_token_id(text_dir: Path, mmproj_path: Path) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(text_dir)
+    token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ValueError(
+            f"--mmproj {mmproj_path.name}: the text model's vocabulary has no {IMAGE_TOKEN} token "
+            "to stand for an image's embeddings (a LLaVA text GGUF converted from its Hugging "
+            "Face checkpoint has one)"
+        )
+    return int(token_id)
