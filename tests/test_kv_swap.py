@@ -4,6 +4,7 @@ the resumed request computes no token twice; no block leaks; aborts in every swa
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -233,3 +234,37 @@ def _check_metrics(llm: LLM) -> None:
     for name, value in expect.items():
         assert metric_value(text, name, {"model_name": "m"}) == value, name
     assert swap.out_blocks_total > 0
+
+
+def test_the_kv_view_lists_swapped_out_requests(tiny_model_dir, tmp_path, prompts):
+    from engine.core.kv_view import KVView
+    from server.kv_api import StreamEncoder, snapshot_payload
+
+    llm = _llm(tiny_model_dir, tmp_path, caching=False)
+    engine = llm.engine
+    swap = engine.scheduler.kv_swap
+    swap.min_tokens = 0
+    view, encoder = KVView(engine.scheduler), StreamEncoder()
+    encoder.encode(view.capture_now())
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, PARAMS)
+    seen = set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        snap = view.capture_now()
+        body = json.loads(json.dumps(snapshot_payload(snap)))
+        json.loads(encoder.encode(snap).split("data: ", 1)[1])  # the stream carries it too
+        listed = {e["request_id"]: e for e in body["swapped_out"]}
+        assert listed.keys() == swap.entries.keys()
+        running = {r["request_id"] for r in body["requests"]}
+        for rid, e in listed.items():
+            assert rid not in running and e["num_blocks"] == len(swap.entries[rid].keys)
+            seen.add((rid, e["state"]))
+        c = body["counters"]
+        assert c["num_swapped_out"] == len(listed)
+        assert c["kv_swap_out_blocks_total"] == swap.out_blocks_total
+        assert c["kv_swap_in_blocks_total"] == swap.in_blocks_total
+        assert c["kv_swap_preemptions_total"] == swap.num_swapped_out_total
+    assert {state for _, state in seen} >= {"out", "ready"}
+    _assert_all_free(llm)
+    engine.shutdown()

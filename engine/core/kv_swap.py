@@ -37,7 +37,7 @@ from engine.core.kv_cache_groups import cdiv
 from engine.core.request import Request
 
 SWAP_PREFIX = b"\x00swap"  # keys the store pins (engine/kv_offload/disk_store.py)
-SWAP_MIN_TOKENS = 32  # the rule above; KVSwap.min_tokens overrides it (0: always, None: never)
+SWAP_MIN_TOKENS = 16  # the rule above; KVSwap.min_tokens overrides it (0: always, None: never)
 LOADING = "loading"  # KVSwap.resume: the request left the queue for its loads
 WAIT = "wait"  # KVSwap.resume: not enough free blocks yet, the head waits
 
