@@ -172,15 +172,15 @@
     $("c-hit-rate").textContent = c.prefix_cache_queries_total
       ? `${pct(c.prefix_cache_hit_rate)} (${c.prefix_cache_hits_total} / ${c.prefix_cache_queries_total} tokens)`
       : "–";
-    $("c-preemptions").textContent = String(c.num_preemptions_total) + (c.kv_swap_preemptions_total
-      ? ` · ${c.kv_swap_preemptions_total} swapped, ${c.num_swapped_out} out now` : "");
+    $("c-preemptions").textContent = String(c.num_preemptions_total);
     $("c-evictions").textContent = String(c.num_evictions_total);
     $("c-window-freed").textContent = String(c.num_window_freed_blocks_total || 0);
     $("c-queue").textContent = `${c.num_running} / ${c.num_waiting}`;
     $("c-forks").textContent = `${c.num_forks_total || 0} / ${c.num_cow_copies_total || 0}`;
     $("c-tier").textContent = c.kv_tier_queries_total >= 0
       ? `${c.kv_tier_hit_tokens_total} / ${c.kv_tier_queries_total} tokens` +
-        (kv.tierLoading.length ? ` · ${kv.tierLoading.length} loading` : "")
+        (kv.tierLoading.length ? ` · ${kv.tierLoading.length} loading` : "") +
+        (c.kv_swap_preemptions_total ? ` · ${c.kv_swap_preemptions_total} swapped (${c.num_swapped_out} out now)` : "")
       : "off";
   }
 
