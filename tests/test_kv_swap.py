@@ -268,3 +268,33 @@ def test_the_kv_view_lists_swapped_out_requests(tiny_model_dir, tmp_path, prompt
     assert {state for _, state in seen} >= {"out", "ready"}
     _assert_all_free(llm)
     engine.shutdown()
+
+
+def test_store_pins_swap_entries_and_a_restart_deletes_them(tmp_path):
+    from engine.core.kv_swap import SWAP_PREFIX
+
+    fp, payload = bytes(range(32)), bytes(range(250)) * 4
+    size = 1000 + 32 + 84  # a prefix file: payload, key, header
+    store = DiskKVStore(tmp_path, 3 * size, fp)
+    prefix = [bytes([i]) * 32 for i in range(3)]
+    for key in prefix:
+        store.put(key, payload)
+    swapped = [SWAP_PREFIX + bytes([i]) * 32 for i in range(2)]
+    assert store.swap_room(2 * len(payload)) and not store.swap_room(4 * len(payload))
+    for key in swapped:
+        store.put(key, payload)
+    store.close()  # every write lands
+    assert store.swap_bytes == 2 * len(payload)
+    assert not any(store.contains(k) for k in swapped)  # never a prefix hit
+    assert len(store) == 1  # the prefix files made way for the swap, the newest kept
+    assert len(list(store.directory.glob("*.swap"))) == 2
+    # Read once, then gone; a drop deletes the other's file (a restart deletes leftovers).
+    store = DiskKVStore(tmp_path, 3 * size, fp)
+    assert not list(store.directory.glob("*.swap")) and store.swap_bytes == 0
+    store.put(swapped[0], payload)
+    store.submit_load("mem", swapped[0])  # its write may still be queued: served from memory
+    store.wait_for_load(5)
+    assert store.poll_loads() == [("mem", payload)] and store.swap_bytes == 0
+    store.put(swapped[1], payload)
+    store.close()
+    assert list(store.directory.glob("*.swap")) == [store._path(swapped[1])]
