@@ -138,22 +138,21 @@ def run_preempt(args, tier_dir: str | None, swap_min_tokens: int | None = None) 
 def main_preempt(args) -> None:
     from engine.core.kv_swap import SWAP_MIN_TOKENS
 
-    recompute = run_preempt(args, None)
-    modes = {"recompute": recompute}
-    for name, min_tokens in (("tier", None), ("swap", args.swap_min_tokens)):
+    print(f"{args.users} requests of {args.context_tokens} + {args.preempt_tokens} tokens at "
+          f"once; swap when >= {args.swap_min_tokens} tokens computed (SWAP_MIN_TOKENS = "
+          f"{SWAP_MIN_TOKENS})")  # fmt: skip
+    print("| mode | pool blocks | preemptions | swapped | tokens computed | tier hit tokens "
+          "| blocks swapped in | wall s | out tok/s | vs recompute |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    modes: dict[str, dict] = {}
+    for name, min_tokens in (("recompute", 0), ("tier", None), ("swap", args.swap_min_tokens)):
         with tempfile.TemporaryDirectory() as d:
-            modes[name] = run_preempt(args, d, min_tokens)
-    print(f"pool {recompute['blocks']} blocks, {args.users} requests of {args.context_tokens} + "
-          f"{args.preempt_tokens} tokens at once; swap when >= {args.swap_min_tokens} tokens "
-          f"computed (SWAP_MIN_TOKENS = {SWAP_MIN_TOKENS})")  # fmt: skip
-    print("| mode | preemptions | swapped | tokens computed | tier hit tokens | blocks swapped in "
-          "| wall s | out tok/s | vs recompute |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, r in modes.items():
-        print(f"| {name} | {r['preemptions']} | {r['swapped']} | {r['computed']} | {r['hits']} "
-              f"| {r['swap_in']} | {r['wall']:.1f} | {r['tok_s']:.2f} "
-              f"| x{r['tok_s'] / recompute['tok_s']:.2f} |")  # fmt: skip
-    same = [r["answers"] == recompute["answers"] for r in modes.values()]
+            r = modes[name] = run_preempt(args, d if name != "recompute" else None, min_tokens)
+        base = modes["recompute"]["tok_s"]
+        print(f"| {name} | {r['blocks']} | {r['preemptions']} | {r['swapped']} | {r['computed']} "
+              f"| {r['hits']} | {r['swap_in']} | {r['wall']:.1f} | {r['tok_s']:.2f} "
+              f"| x{r['tok_s'] / base:.2f} |", flush=True)  # fmt: skip
+    same = [r["answers"] == modes["recompute"]["answers"] for r in modes.values()]
     print(f"answers equal to recompute's: {sum(same)}/{len(same)} modes")
 
 
