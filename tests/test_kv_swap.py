@@ -298,3 +298,27 @@ def test_store_pins_swap_entries_and_a_restart_deletes_them(tmp_path):
     store.put(swapped[1], payload)
     store.close()
     assert list(store.directory.glob("*.swap")) == [store._path(swapped[1])]
+
+
+def test_two_swap_ins_never_hold_the_pool_between_them(tiny_model_dir, tmp_path):
+    """Four 48-token prompts growing to 96 in an 8-block pool (16-token blocks), the default
+    rule: two swapped-out requests once both loaded back and held every block (a deadlock);
+    one swap-in at a time, loaded ones first, and each token is computed once."""
+    prompts = make_prompts(4, min_len=48, max_len=48, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    llm = LLM(
+        str(tiny_model_dir), dtype="float32", max_model_len=128, block_size=16,
+        num_gpu_blocks_override=8, kv_offloading_size=0.01, kv_offloading_dir=str(tmp_path),
+    )  # fmt: skip
+    engine = llm.engine
+    swap = engine.scheduler.kv_swap
+    counted = _count_computed(llm)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    done: dict[str, list[int]] = {}
+    _step_until(engine, done, lambda: not engine.has_unfinished_requests(), max_s=120)
+    assert [done[f"r{i}"] for i in range(4)] == hf_greedy(tiny_model_dir, prompts, 48)
+    assert swap.num_swapped_out_total >= 2 and swap.num_recomputed_total == 0
+    assert counted[0] == 4 * (48 + 47)
+    _assert_all_free(llm)
+    llm.engine.shutdown()

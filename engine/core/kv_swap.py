@@ -124,6 +124,8 @@ class KVSwap:
         entry = self.entries[req.request_id]
         if entry.state == "ready":
             return entry.blocks, entry.num_tokens
+        if any(e.state != "out" for e in self.entries.values()):
+            return WAIT  # one swap-in at a time: two half-admitted could hold the pool between them
         hashes = self.manager._block_hashes(req)
         get, group = self.pool.get_cached_block, self.manager.groups[0]
         in_pool = [
@@ -133,7 +135,9 @@ class KVSwap:
         ]  # fmt: skip
         num_load = sum(b is None for b in in_pool)
         num_pinned_free = sum(1 for b in in_pool if b is not None and b.ref_cnt == 0)
-        if num_load > self.pool.get_num_free_blocks() - num_pinned_free:
+        bs = self.manager.block_size
+        num_next = cdiv(entry.num_tokens + 1, bs) - len(entry.keys)  # its next token's block
+        if num_load + num_next > self.pool.get_num_free_blocks() - num_pinned_free:
             return WAIT
         self.pool.touch(b for b in in_pool if b is not None)
         fresh = iter(self.pool.get_new_blocks(num_load))
@@ -205,6 +209,13 @@ class KVSwap:
             end = min(entry.num_tokens + num_new, req.num_tokens)
             group.cache_blocks(req.request_id, self.manager._block_hashes(req),
                                end // self.manager.block_size)  # fmt: skip
+
+    def keep_ready_first(self, waiting) -> None:
+        """The swap-in under way, loaded, goes to the head of the queue (before requests
+        preempted or loaded from the tier since): it holds its blocks, so it must run next."""
+        for entry in self.entries.values():
+            if entry.state == "ready" and entry.request in waiting:
+                waiting.appendleft(entry.request)
 
     # ---- abort -------------------------------------------------------------------------------
     def is_loading(self, req: Request) -> bool:

@@ -270,6 +270,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         now = time.monotonic()
         seats = len(self.running) + sum(r.extra_seats for r in self.running)  # beam groups'
+        if self.kv_swap is not None and self.kv_swap.entries:
+            self.kv_swap.keep_ready_first(self.waiting)
         while self.waiting and budget > 0 and seats < self.max_num_seqs:
             req = self.waiting.peek()
             if seats + req.extra_seats >= self.max_num_seqs:
