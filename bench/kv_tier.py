@@ -4,6 +4,7 @@ working set is about --pool-ratio (4) times the KV pool, side by side in one run
     python bench/kv_tier.py [--model DIR] [--users 4] [--context-tokens 256] [--rounds 3]
                             [--turn-tokens 24] [--max-tokens 8] [--pool-ratio 4]
     python bench/kv_tier.py --workload preempt --context-tokens 48 --preempt-tokens 64
+    python bench/kv_tier.py --workload swap-cost   # the swap rule's measurement (kv_swap_cost.py)
 
 Each user has a document of --context-tokens random tokens (a RAG context or a long system
 prompt); every round each user in turn asks a new question of --turn-tokens tokens, appended to
@@ -89,9 +90,11 @@ def run_mode(args, tier_dir: str | None) -> dict:
     return result
 
 
-def run_preempt(args, tier_dir: str | None) -> dict:
+def run_preempt(args, tier_dir: str | None, swap_min_tokens: int | None = None) -> dict:
     """Benchmark (d): every user's request at once in a pool a quarter of their KV, so requests
-    are preempted; a victim's full blocks come back from the tier instead of being recomputed."""
+    are preempted. "tier": recompute preemption, a victim's full blocks come back from the tier
+    once evicted; "swap": a victim's blocks go to the tier at preemption and come back on resume
+    (engine/core/kv_swap.py) when it computed at least swap_min_tokens tokens."""
     kw = dict(kv_offloading_size=args.tier_gib, kv_offloading_dir=tier_dir) if tier_dir else {}
     need = args.users * (args.context_tokens + args.preempt_tokens)
     cfg = EngineConfig(model=args.model, dtype=args.dtype, num_gpu_blocks_override=1)
@@ -104,39 +107,53 @@ def run_preempt(args, tier_dir: str | None) -> dict:
     engine = LLMEngine(
         EngineConfig(model=args.model, dtype=args.dtype, num_gpu_blocks_override=num_blocks, **kw)
     )
+    if engine.kv_offload is not None:
+        engine.scheduler.kv_swap.min_tokens = swap_min_tokens
     params = SamplingParams(temperature=0.0, max_tokens=args.preempt_tokens, ignore_eos=True)
     t0 = time.monotonic()
     for u, conv in enumerate(conversations(args, vocab)):
         engine.add_request(f"p{u}", conv, params)
-    prefill = gen = 0
+    computed = gen = 0
+    answers: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
-        _, stats = engine.step()
-        prefill += stats.num_prompt_tokens
+        outputs, stats = engine.step()
+        computed += stats.num_scheduled_tokens
         gen += stats.num_generation_tokens
+        for o in outputs:
+            answers.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
     wall = time.monotonic() - t0
     off = engine.kv_offload
+    swap = engine.scheduler.kv_swap
     result = dict(
-        blocks=num_blocks, wall=wall, tok_s=gen / wall, prefill=prefill,
+        blocks=num_blocks, wall=wall, tok_s=gen / wall, computed=computed,
         preemptions=engine.scheduler.num_preemptions_total,
         hits=off.tier.hit_tokens_total if off else 0,
+        swapped=swap.num_swapped_out_total if swap else 0,
+        swap_in=swap.in_blocks_total if swap else 0, answers=sorted(answers.items()),
     )  # fmt: skip
     engine.shutdown()
     return result
 
 
 def main_preempt(args) -> None:
-    recompute = run_preempt(args, None)
-    with tempfile.TemporaryDirectory() as d:
-        tier = run_preempt(args, d)
-    print(f"pool {tier['blocks']} blocks, {args.users} requests of {args.context_tokens} + "
-          f"{args.preempt_tokens} tokens at once")  # fmt: skip
-    print("| mode | preemptions | prompt tokens computed | tier hit tokens | wall s | out tok/s |")
-    print("|---|---|---|---|---|---|")
-    for name, r in (("recompute", recompute), ("tier", tier)):
-        print(f"| {name} | {r['preemptions']} | {r['prefill']} | {r['hits']} | {r['wall']:.1f} "
-              f"| {r['tok_s']:.2f} |")  # fmt: skip
-    print(f"tier/recompute: prompt tokens x{tier['prefill'] / recompute['prefill']:.2f}, "
-          f"out tok/s x{tier['tok_s'] / recompute['tok_s']:.2f}")  # fmt: skip
+    from engine.core.kv_swap import SWAP_MIN_TOKENS
+
+    print(f"{args.users} requests of {args.context_tokens} + {args.preempt_tokens} tokens at "
+          f"once; swap when >= {args.swap_min_tokens} tokens computed (SWAP_MIN_TOKENS = "
+          f"{SWAP_MIN_TOKENS})")  # fmt: skip
+    print("| mode | pool blocks | preemptions | swapped | tokens computed | tier hit tokens "
+          "| blocks swapped in | wall s | out tok/s | vs recompute |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    modes: dict[str, dict] = {}
+    for name, min_tokens in (("recompute", 0), ("tier", None), ("swap", args.swap_min_tokens)):
+        with tempfile.TemporaryDirectory() as d:
+            r = modes[name] = run_preempt(args, d if name != "recompute" else None, min_tokens)
+        base = modes["recompute"]["tok_s"]
+        print(f"| {name} | {r['blocks']} | {r['preemptions']} | {r['swapped']} | {r['computed']} "
+              f"| {r['hits']} | {r['swap_in']} | {r['wall']:.1f} | {r['tok_s']:.2f} "
+              f"| x{r['tok_s'] / base:.2f} |", flush=True)  # fmt: skip
+    same = [r["answers"] == modes["recompute"]["answers"] for r in modes.values()]
+    print(f"answers equal to recompute's: {sum(same)}/{len(same)} modes")
 
 
 def main() -> None:
@@ -150,10 +167,20 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--pool-ratio", type=float, default=4.0)
     p.add_argument("--tier-gib", type=float, default=2.0)
-    p.add_argument("--workload", choices=("chat", "preempt"), default="chat")
+    p.add_argument("--workload", choices=("chat", "preempt", "swap-cost"), default="chat")
+    p.add_argument("--swap-min-tokens", type=int, default=None,
+                   help="preempt: the swap mode's threshold (default SWAP_MIN_TOKENS)")  # fmt: skip
     p.add_argument("--preempt-tokens", type=int, default=64, help="preempt: tokens per request")
     args = p.parse_args()
+    if args.workload == "swap-cost":
+        from kv_swap_cost import measure, report
+
+        return report(measure(args.model, args.dtype))
     if args.workload == "preempt":
+        if args.swap_min_tokens is None:
+            from engine.core.kv_swap import SWAP_MIN_TOKENS
+
+            args.swap_min_tokens = SWAP_MIN_TOKENS
         return main_preempt(args)
     recompute = run_mode(args, None)
     with tempfile.TemporaryDirectory() as d:

@@ -15,7 +15,8 @@ Marks on top of the codes (`block_marks`, every event): `cow` blocks a copy-on-w
 fork's request wrote into a shared block), `tier` blocks loaded back from the KV tier, `image`
 blocks holding image placeholder tokens; shared blocks are those with ref count > 1. Requests
 carry `forked` (shares blocks through a fork: an n > 1 sibling or a beam) and
-`num_image_tokens`; `tier_loading` names the requests waiting for tier loads.
+`num_image_tokens`; `tier_loading` names the requests waiting for tier loads; `swapped_out`
+lists the requests a swap preemption moved to the tier (state out, loading or ready, blocks).
 
 KV cache groups: a request has one block table per group (`groups`), `block_table` is group
 0's. An entry of -1 is a block that slid out of a sliding group's window and went back to the
@@ -104,6 +105,11 @@ def counters(snap: KVSnapshot, ref: np.ndarray) -> dict:
         "num_cow_copies_total": snap.num_cow_copies_total,
         "kv_tier_hit_tokens_total": snap.kv_tier_hit_tokens_total,
         "kv_tier_queries_total": snap.kv_tier_queries_total,  # -1: no KV tier
+        # swap preemption: requests swapped out now, preemptions that swapped, blocks each way
+        "num_swapped_out": len(snap.swapped_out),
+        "kv_swap_preemptions_total": snap.kv_swap_totals[0],
+        "kv_swap_out_blocks_total": snap.kv_swap_totals[1],
+        "kv_swap_in_blocks_total": snap.kv_swap_totals[2],
     }
 
 
@@ -195,6 +201,10 @@ def _header(
         "requests": _requests(snap, group),
         "waiting": [{"request_id": rid, "num_preemptions": n} for rid, n in snap.waiting],
         "tier_loading": list(snap.tier_loading),
+        "swapped_out": [  # their KV is in the tier, not the pool (state: out, loading, ready)
+            {"request_id": rid, "state": state, "num_blocks": n}
+            for rid, state, n in snap.swapped_out
+        ],
         "block_marks": block_marks(snap),
     }
 

@@ -53,4 +53,19 @@ class KVMemoryCollector:
                          "Tier files skipped (checksum, truncation, another model).",
                          store.num_corrupt_total),
         ]  # fmt: skip
+        swap = getattr(self.engine.scheduler, "kv_swap", None)
+        if swap is not None:  # swap preemption (engine/core/kv_swap.py); vLLM V1 has no names
+            out += [
+                self._family(c, P + "kv_swap_out_blocks",
+                             "KV blocks of preempted requests copied to the tier.",
+                             swap.out_blocks_total),
+                self._family(c, P + "kv_swap_in_blocks",
+                             "KV blocks of resumed requests loaded back from the tier.",
+                             swap.in_blocks_total),
+                self._family(c, P + "kv_swap_preemptions",
+                             "Preemptions that swapped the victim out instead of recomputing.",
+                             swap.num_swapped_out_total),
+                self._family(g, P + "kv_swapped_requests",
+                             "Requests swapped out or loading back now.", len(swap.entries)),
+            ]  # fmt: skip
         return out

@@ -113,6 +113,10 @@ OWN_NAMES = frozenset(
     "kv_tier_capacity_bytes",
     "kv_tier_blocks",
     "kv_tier_corrupt_files",
+    "kv_swap_out_blocks",
+    "kv_swap_in_blocks",
+    "kv_swap_preemptions",
+    "kv_swapped_requests",
 }
 
 

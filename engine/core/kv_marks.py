@@ -10,13 +10,18 @@ the entries still true, at O(MAX_MARKED_BLOCKS), and drops the others for good:
   that place of its table (so a freed and reused block loses the mark);
 - a tier block stays marked while it holds the prefix-cache hash it was loaded under (its hash
   tag unchanged; an eviction clears or changes it).
+
+Swapped-out requests (engine/core/kv_swap.py) hold no blocks in the pool: the map lists them
+(at most MAX_SWAPPED_LISTED) with their state and the number of blocks in the tier.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 MAX_MARKED_BLOCKS = 256
+MAX_SWAPPED_LISTED = 64
 
 
 def new_log() -> deque:
@@ -49,3 +54,14 @@ def live_tier_blocks(pool, log: deque) -> tuple[int, ...]:
         log.clear()
         log.extend(keep)
     return tuple(b for b, _ in keep)
+
+
+def swap_marks(swap) -> dict:
+    """The KV snapshot's swap fields: the requests swapped out (or loading back) and counters."""
+    if swap is None:
+        return {}
+    listed = itertools.islice(swap.entries.items(), MAX_SWAPPED_LISTED)
+    return {
+        "swapped_out": tuple((rid, e.state, len(e.keys)) for rid, e in listed),
+        "kv_swap_totals": (swap.num_swapped_out_total, swap.out_blocks_total, swap.in_blocks_total),
+    }

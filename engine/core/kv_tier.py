@@ -48,6 +48,7 @@ class KVTier:
         self.queries_total = 0  # prompt tokens looked up in the tier (past the pool's hit)
         self.num_failed_loads_total = 0
         self.load_log = new_log()  # recently loaded blocks, for the KV map (kv_marks.py)
+        self.swap = None  # swap preemption through this tier (engine/core/kv_swap.py)
 
     # ---- per step ----------------------------------------------------------------------------
     def take_stores(self) -> list[tuple[int, bytes]]:
@@ -158,7 +159,8 @@ class KVTier:
 
     def held_blocks(self) -> list[KVCacheBlock]:
         """Blocks the tier holds (pinned or loading), for KVCacheManager.check_integrity."""
-        return [b for entry in self.loading.values() for b in entry.pinned]
+        held = [b for entry in self.loading.values() for b in entry.pinned]
+        return held + self.swap.held_blocks() if self.swap is not None else held
 
     def cached_blocks(self) -> list[tuple[int, bytes]]:
         """Every hashed block in the pool (for a flush to the tier at shutdown)."""

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from engine.core.kv_marks import live_cow_blocks, live_tier_blocks
+from engine.core.kv_marks import live_cow_blocks, live_tier_blocks, swap_marks
 from engine.core.scheduler import Scheduler
 
 MAX_UPDATES_PER_S = 10.0
@@ -89,6 +89,10 @@ class KVSnapshot:
     num_cow_copies_total: int = 0
     kv_tier_hit_tokens_total: int = 0
     kv_tier_queries_total: int = 0  # -1: no tier
+    # swap preemption (engine/core/kv_swap.py): (request id, state, blocks) of requests swapped
+    # out (state out, loading or ready), and (preemptions swapped, blocks out, blocks in)
+    swapped_out: tuple[tuple[str, str, int], ...] = ()
+    kv_swap_totals: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass
@@ -210,6 +214,7 @@ def take_snapshot(
         num_cow_copies_total=kv.num_cow_copies_total,
         kv_tier_hit_tokens_total=tier.hit_tokens_total if tier is not None else 0,
         kv_tier_queries_total=tier.queries_total if tier is not None else -1,
+        **swap_marks(scheduler.kv_swap),
     )
 
 

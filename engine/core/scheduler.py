@@ -19,6 +19,7 @@ from engine.core.block_pool import KVCacheBlock
 from engine.core.encoder_budget import EncoderBudget
 from engine.core.forks import drop_fork_waiting, fork_ready, hold_for_fork
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_swap import LOADING, WAIT, KVSwap
 from engine.core.kv_tier import KVTier
 from engine.core.pooling import finish_pooled
 from engine.core.request import Request, RequestStatus
@@ -74,6 +75,7 @@ class Scheduler:
         self.num_forks_total = 0
         self.encoder_budget = EncoderBudget(config.encoder_budget_tokens)  # images per step
         self.kv_tier: KVTier | None = None  # the second KV tier (engine/kv_offload/setup.py)
+        self.kv_swap: KVSwap | None = None  # swap preemption through it (engine/core/kv_swap.py)
 
     # ---- queue -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -93,7 +95,7 @@ class Scheduler:
 
     @property
     def kv_tier_loading(self) -> bool:
-        return self.kv_tier is not None and bool(self.kv_tier.loading)
+        return self.kv_tier is not None and bool(self.kv_tier.loading or self.kv_swap.num_loading)
 
     # ---- schedule ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -103,7 +105,8 @@ class Scheduler:
         if self.fork_waiting:
             fork_ready(self)
         if self.kv_tier is not None:  # requests whose tier blocks are loaded run again
-            for req in reversed(self.kv_tier.finish_loads()):
+            ready = self.kv_swap.finish_loads() + self.kv_tier.finish_loads()
+            for req in reversed(ready):
                 self.waiting.appendleft(req)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:  # a step that preempted has no room to admit anyone
@@ -111,7 +114,8 @@ class Scheduler:
         if self.kv_cache_manager.pending_copies:
             out.block_copies = self.kv_cache_manager.take_block_copies()
         if self.kv_tier is not None:
-            out.kv_stores, out.kv_loads = self.kv_tier.take_stores(), self.kv_tier.take_loads()
+            out.kv_stores = self.kv_tier.take_stores() + self.kv_swap.take_stores()
+            out.kv_loads = self.kv_tier.take_loads() + self.kv_swap.take_loads()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -266,20 +270,27 @@ class Scheduler:
         kv = self.kv_cache_manager
         now = time.monotonic()
         seats = len(self.running) + sum(r.extra_seats for r in self.running)  # beam groups'
+        if self.kv_swap is not None and self.kv_swap.entries:
+            self.kv_swap.keep_ready_first(self.waiting)
         while self.waiting and budget > 0 and seats < self.max_num_seqs:
             req = self.waiting.peek()
             if seats + req.extra_seats >= self.max_num_seqs:
                 break  # a beam group waits until its width fits
             if req.lora_request is not None and not self._lora_fits(req):
                 break  # --max-loras adapters run already: the head waits its turn (FCFS)
-            hits, num_hit_tokens = kv.get_computed_blocks(req)
-            if self.kv_tier is not None and self.kv_tier.start_load(req, num_hit_tokens):
+            looked_up = self._look_up(req)
+            if looked_up is LOADING:
                 self.waiting.popleft()  # back at the front once its tier blocks are loaded
                 continue
+            if looked_up is WAIT:
+                break
+            hits, num_hit_tokens = looked_up
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             num_new = self.encoder_budget.clip(req, num_hit_tokens, num_new, commit=False)
             if num_new <= 0 or kv.allocate_slots(req, num_new, hits, num_hit_tokens) is None:
                 break
+            if self.kv_swap is not None and req.request_id in self.kv_swap.entries:
+                self.kv_swap.resumed(req, num_new)  # swapped back in: resumes where it stopped
             self.encoder_budget.clip(req, num_hit_tokens, num_new)  # admitted: charge it
             self.waiting.popleft()
             self.running.append(req)
@@ -293,6 +304,16 @@ class Scheduler:
             self._add_to_batch(out, req, num_new, num_hit_tokens)
             out.num_new_requests += 1
             budget -= num_new
+
+    def _look_up(self, req: Request):
+        """(hit blocks, hit tokens) of a waiting request: its prefix-cache hit, or its swapped
+        blocks; LOADING when it leaves the queue for tier or swap loads; WAIT to stay the head."""
+        if self.kv_swap is not None and req.request_id in self.kv_swap.entries:
+            return self.kv_swap.resume(req)
+        hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
+        if self.kv_tier is not None and self.kv_tier.start_load(req, num_hit_tokens):
+            return LOADING
+        return hits, num_hit_tokens
 
     def _lora_fits(self, req: Request) -> bool:
         """Whether req's LoRA adapter may join the running ones (at most --max-loras)."""
@@ -313,7 +334,10 @@ class Scheduler:
         req.num_computed_tokens = computed + num_new
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        """Recompute preemption: drop the KV, resume later as an ordinary prefill."""
+        """Drop the KV and resume later as an ordinary prefill (recompute), or first copy it to
+        the KV tier and resume from there (swap: engine/core/kv_swap.py has the rule)."""
+        if self.kv_swap is not None:
+            self.kv_swap.swap_out(req)
         self.kv_cache_manager.free(req)  # reverse order; cached blocks stay for its own resume
         self._tables_to_reset.discard(req.request_id)  # readmission resends the table anyway
         req.status = RequestStatus.PREEMPTED
@@ -441,8 +465,10 @@ class Scheduler:
                 num_running += 1
             elif req in self.waiting:  # waiting or preempted
                 self.waiting.remove(req)
-            elif self.kv_tier is not None and self.kv_tier.drop(req):
-                pass  # waiting for tier loads: its blocks go when they land
+            elif self.kv_tier is not None and (
+                self.kv_tier.drop(req) or self.kv_swap.is_loading(req)
+            ):
+                pass  # waiting for tier or swap loads: its blocks go when they land
             else:  # a parallel sample waiting for its fork
                 drop_fork_waiting(self, req)
             req.status = status
@@ -456,6 +482,7 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         if self.kv_tier is not None:
             self.kv_tier.forget(req.request_id)
+            self.kv_swap.drop(req)
         self._tables_to_reset.discard(req.request_id)
         del self.requests[req.request_id]
         self.finished_req_ids.append(req.request_id)

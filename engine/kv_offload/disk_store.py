@@ -10,6 +10,11 @@ model, or torn by a crash, is skipped with a log line and never loaded.
            | key | payload (the block's bytes in every KV tensor, in tensor order)
 
 The store is bounded in bytes (--kv-offloading-size); the least recently used file goes first.
+
+Swap (engine/core/kv_swap.py): a preempted request's blocks are put under keys starting with
+SWAP_PREFIX. They are pinned: never evicted by the LRU, never prefix-cache hits (contains() is
+False), read once and then deleted, and files of a previous run are deleted at start (*.swap). A
+swap load whose write is still queued is served from memory without touching the disk.
 """
 
 from __future__ import annotations
@@ -22,11 +27,14 @@ import threading
 from collections import OrderedDict, deque
 from pathlib import Path
 
+from engine.core.kv_swap import SWAP_PREFIX
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PSKVT\x00\x01\x00"
 _HEADER = struct.Struct("<8s32sIQ32s")
 SUFFIX = ".kv"
+SWAP_SUFFIX = ".swap"
 
 
 class DiskKVStore:
@@ -49,6 +57,10 @@ class DiskKVStore:
         self.usage_bytes = 0
         self.bytes_stored_total = self.bytes_loaded_total = 0
         self.num_corrupt_total = 0
+        self._swap_pending: dict[bytes, bytes] = {}  # swap key -> payload not yet on disk
+        self._swap_files: dict[bytes, int] = {}  # swap key -> payload length, on disk
+        self._swap_dead: set[bytes] = set()  # swap files to delete (dropped before loaded)
+        self.swap_bytes = 0  # payload bytes of live swap entries (pending or on disk)
         # The runner hook appends (block id, ok) here once a load's bytes are in the KV cache;
         # the scheduler's KVTier drains it (both on the engine thread).
         self.applied: list[tuple[int, bool]] = []
@@ -67,6 +79,12 @@ class DiskKVStore:
     def put(self, key: bytes, payload: bytes) -> None:
         """Queue a block's bytes for writing (a key already stored or queued is only touched)."""
         with self._lock:
+            if key.startswith(SWAP_PREFIX):
+                self._swap_pending[key] = payload
+                self.swap_bytes += len(payload)
+                self._stores.append((key, b""))
+                self._lock.notify()
+                return
             if key in self._index:
                 self._index.move_to_end(key)
                 return
@@ -79,8 +97,32 @@ class DiskKVStore:
     def submit_load(self, tag: object, key: bytes) -> None:
         """Queue a read of key; poll_loads returns (tag, payload or None if missing/corrupt)."""
         with self._lock:
+            payload = self._swap_pending.pop(key, None)
+            if payload is not None:  # a swap whose write is still queued: from memory
+                self.swap_bytes -= len(payload)
+                self._results.append((tag, payload))
+                self._lock.notify_all()
+                return
             self._loads.append((tag, key))
             self._lock.notify()
+
+    def swap_room(self, num_bytes: int) -> bool:
+        """Whether num_bytes more of swap fit the bound (prefix-cache files make way for it)."""
+        return self.swap_bytes + num_bytes <= self.capacity_bytes
+
+    def drop_swap(self, key: bytes) -> None:
+        """Forget a swap entry that will not be loaded (its request was aborted)."""
+        with self._lock:
+            payload = self._swap_pending.pop(key, None)
+            if payload is not None:
+                self.swap_bytes -= len(payload)
+                return
+            size = self._swap_files.pop(key, None)
+            if size is not None:
+                self.swap_bytes -= size
+                self._swap_dead.add(key)
+                self._stores.append((key, b""))  # the copy thread deletes the file
+                self._lock.notify()
 
     def poll_loads(self) -> list[tuple[object, bytes | None]]:
         out = []
@@ -132,9 +174,13 @@ class DiskKVStore:
                         self._pending.discard(job[0])
 
     def _path(self, key: bytes) -> Path:
-        return self.directory / (key.hex() + SUFFIX)
+        suffix = SWAP_SUFFIX if key.startswith(SWAP_PREFIX) else SUFFIX
+        return self.directory / (key.hex() + suffix)
 
     def _store(self, key: bytes, payload: bytes) -> None:
+        if key.startswith(SWAP_PREFIX):
+            self._store_swap(key)
+            return
         header = _HEADER.pack(
             MAGIC, self.fingerprint, len(key), len(payload), hashlib.sha256(payload).digest()
         )
@@ -148,13 +194,45 @@ class DiskKVStore:
             self._index[key] = size
             self.usage_bytes += size
             self.bytes_stored_total += len(payload)
-            victims = []
-            while self.usage_bytes > self.capacity_bytes and len(self._index) > 1:
+        self._evict(keep=1)
+
+    def _evict(self, keep: int) -> None:
+        """Delete least recently used prefix files while the tier (with swap) is over its bound."""
+        victims = []
+        with self._lock:
+            over = lambda: self.usage_bytes + self.swap_bytes > self.capacity_bytes  # noqa: E731
+            while over() and len(self._index) > keep:
                 old, old_size = self._index.popitem(last=False)
                 self.usage_bytes -= old_size
                 victims.append(old)
         for old in victims:
             self._path(old).unlink(missing_ok=True)
+
+    def _store_swap(self, key: bytes) -> None:
+        """Write a swapped-out block's file, unless it was loaded (from memory) or dropped."""
+        path = self._path(key)
+        with self._lock:
+            payload = self._swap_pending.get(key)
+            dead = key in self._swap_dead
+            self._swap_dead.discard(key)
+        if dead:
+            path.unlink(missing_ok=True)
+        if payload is None:
+            return
+        header = _HEADER.pack(
+            MAGIC, self.fingerprint, len(key), len(payload), hashlib.sha256(payload).digest()
+        )
+        tmp = path.with_suffix(".tmp")
+        self.write_file(tmp, header + key + payload)
+        os.replace(tmp, path)
+        with self._lock:
+            written = self._swap_pending.pop(key, None) is not None
+            if written:
+                self._swap_files[key] = len(payload)
+                self.bytes_stored_total += len(payload)
+        if not written:  # loaded from memory or dropped while the file was written
+            path.unlink(missing_ok=True)
+        self._evict(keep=0)  # prefix-cache files make way for a live request's blocks
 
     def _load(self, key: bytes) -> bytes | None:
         path = self._path(key)
@@ -171,6 +249,9 @@ class DiskKVStore:
             path.unlink(missing_ok=True)
             return None
         payload = data[_HEADER.size + len(key) :]
+        if key.startswith(SWAP_PREFIX):  # read once: its request holds the block again
+            path.unlink(missing_ok=True)
+            self._forget(key)
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
@@ -197,6 +278,9 @@ class DiskKVStore:
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
+            if key.startswith(SWAP_PREFIX):
+                self.swap_bytes -= self._swap_files.pop(key, 0)
+                return
             size = self._index.pop(key, None)
             if size is not None:
                 self.usage_bytes -= size
@@ -215,7 +299,7 @@ class DiskKVStore:
         """Index the files a previous run left (oldest first); verified only when loaded."""
         entries = []
         for path in self.directory.iterdir():
-            if path.suffix == ".tmp":  # a write the previous run did not finish
+            if path.suffix in (".tmp", SWAP_SUFFIX):  # unfinished write; a dead run's swap
                 path.unlink(missing_ok=True)
             elif path.suffix == SUFFIX:
                 try:

@@ -12,6 +12,7 @@ import logging
 import os
 from pathlib import Path
 
+from engine.core.kv_swap import KVSwap
 from engine.core.kv_tier import KVTier
 from engine.kv_offload.disk_store import DiskKVStore
 from engine.kv_offload.runner_hook import KVOffloadHook
@@ -97,6 +98,7 @@ def attach_kv_offload(engine, store_cls=DiskKVStore) -> KVOffload | None:
     tier = KVTier(manager, store)
     manager.tier = tier
     engine.scheduler.kv_tier = tier
+    tier.swap = engine.scheduler.kv_swap = KVSwap(manager, store, hook.block_bytes)
     runner.kv_offload = hook
     logger.info(
         "KV tier: %.2f GiB on disk in %s (%d KiB per block)",

@@ -179,7 +179,8 @@
     $("c-forks").textContent = `${c.num_forks_total || 0} / ${c.num_cow_copies_total || 0}`;
     $("c-tier").textContent = c.kv_tier_queries_total >= 0
       ? `${c.kv_tier_hit_tokens_total} / ${c.kv_tier_queries_total} tokens` +
-        (kv.tierLoading.length ? ` · ${kv.tierLoading.length} loading` : "")
+        (kv.tierLoading.length ? ` · ${kv.tierLoading.length} loading` : "") +
+        (c.kv_swap_preemptions_total ? ` · ${c.kv_swap_preemptions_total} swapped (${c.num_swapped_out} out now)` : "")
       : "off";
   }
 
