@@ -150,6 +150,7 @@ def test_a_preempted_request_gets_its_evicted_prefix_back_from_the_tier(model_di
     llm = _llm(model_dir, tmp_path, 1, num_gpu_blocks_override=16)
     engine, off = llm.engine, llm.engine.kv_offload
     sched = engine.scheduler
+    sched.kv_swap.min_tokens = None  # a recompute preemption (tests/test_kv_swap.py: swap)
     # 16 blocks of 4 cannot hold both (13 + 12 blocks at the end). "short" came first: as they
     # grow, "long" (the later arrival) is preempted, and "short" evicts its freed blocks; they
     # go to the tier and "long" loads them back on resume.

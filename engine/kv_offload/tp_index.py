@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from engine.core.kv_swap import KVSwap
 from engine.core.kv_tier import KVTier
 from engine.kv_offload.setup import KVOffload
 
@@ -109,6 +110,8 @@ def attach_ranked_kv_offload(engine, directory: Path) -> RankedKVOffload:
     tier = KVTier(manager, index)
     manager.tier = tier
     engine.scheduler.kv_tier = tier
+    # swap preemption under TP: not yet, every preemption recomputes (min_tokens None: never)
+    tier.swap = engine.scheduler.kv_swap = KVSwap(manager, index, 0, min_tokens=None)
     logger.info(
         "KV tier: %.2f GiB on disk over %d ranks in %s/tp%d-rank*/ (%d blocks found)",
         engine.config.kv_offloading_size, world, directory, world, len(index),
