@@ -67,3 +67,21 @@ def test_stored_blocks_carry_the_image_hash(algo, tmp_path):
         assert not hashes["a"] & hashes["b"]  # yet no image block shares a hash
     finally:
         engine.shutdown()
+
+
+def test_builtin_hash_events_name_images_but_never_the_salt():
+    """Our own hash keys the cache salt by its sha256; the events must not publish it."""
+    from engine.core.kv_cache_manager import KVCacheManager
+    from engine.core.request import Request
+    from engine.kv_events import to_events
+    from engine.sampling_params import SamplingParams
+
+    kv = KVCacheManager(32, BS, block_hash_algo="builtin")
+    kv.enable_kv_events()
+    req = Request("r", list(range(3, 19)), SamplingParams(max_tokens=1))
+    img = b"\x02" * 32
+    req.mm_spans, req.cache_salt = [(6, 5, img)], "tenant-secret"
+    hits, num_hit = kv.get_computed_blocks(req)
+    assert kv.allocate_slots(req, 16, hits, num_hit) is not None
+    (stored,) = [e for e in to_events(kv.take_kv_events(), BS, (0,)) if hasattr(e, "token_ids")]
+    assert stored.extra_keys == [None, ((img.hex(), 2),), ((img.hex(), -2),), None]

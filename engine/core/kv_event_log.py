@@ -26,16 +26,16 @@ def split_key(key: bytes) -> tuple[int, bytes]:
 def stored_info(request, vllm_hasher, block_size: int) -> Callable[[int, int], tuple]:
     """describe_stored's info for one request's blocks first..last: (LoRA adapter name or None,
     its int id or None, one untagged extra-keys entry per block or None). The extra keys are
-    those of vLLM's hash; under our own hash the images' and the cache salt's (the same values:
-    a block holding an image's tokens always names it), not the adapter's (ours keys its
-    content, vLLM's its name and path)."""
+    those of vLLM's hash; under our own hash only the images' (the same values: a block
+    holding an image's tokens always names it), not the adapter's (ours keys its content,
+    vLLM's its name and path) nor the cache salt (ours hashes it; it stays off the socket)."""
     lora = getattr(request, "lora_request", None)
     name, lora_id = (lora.name, lora.lora_int_id) if lora is not None else (None, None)
 
     def block_keys(start: int) -> tuple | None:
         keys = extra_keys(request, start, start + block_size)
         if vllm_hasher is None and keys is not None:
-            keys = tuple(k for k in keys if k[0] != "lora") or None
+            keys = tuple(k for k in keys if k[0] == "mm") or None
         return event_extra_keys(keys)
 
     def info(first: int, last: int) -> tuple:
