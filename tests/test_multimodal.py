@@ -464,11 +464,11 @@ def test_images_in_several_messages_of_one_conversation(llava_server, media_host
     client = openai.OpenAI(base_url=llava_server.url + "/v1", api_key="x", max_retries=0)
 
     def conversation(second_url: str) -> list[dict]:
-        return [
-            {"role": "user", "content": [url_part(base + "/a.png"), {"type": "text", "text": "a?"}]},
-            {"role": "assistant", "content": "a cat"},
-            {"role": "user", "content": [url_part(second_url), {"type": "text", "text": "and b?"}]},
-        ]
+        def user(url: str, text: str) -> dict:
+            return {"role": "user", "content": [url_part(url), {"type": "text", "text": text}]}
+
+        return [user(base + "/a.png", "a?"), {"role": "assistant", "content": "a cat"},
+                user(second_url, "and b?")]  # fmt: skip
 
     messages = conversation(base + "/b.png")
     got = client.chat.completions.create(
