@@ -450,7 +450,8 @@ def _default_model_name(model: str | None) -> str:
 
 def _check_tp_images(model_type: str) -> None:
     """Images above one rank: the vision-language models tested at tensor-parallel size 2."""
-    if model_type not in ("llava", "qwen2_5_vl"):
+    if model_type not in ("llava", "qwen2_5_vl", "gemma3"):
         raise ValueError(
-            f"images with tensor_parallel_size > 1: LLaVA and Qwen2.5-VL only yet, not {model_type}"
+            f"images with tensor_parallel_size > 1: LLaVA, Qwen2.5-VL and Gemma 3 only yet, "
+            f"not {model_type}"
         )

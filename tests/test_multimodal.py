@@ -452,3 +452,34 @@ def test_local_files_only_under_the_allowed_path(tmp_path):
     (allowed / "big.png").write_bytes(b"\0" * 20_000)
     with pytest.raises(ImageError, match="larger than 10000 bytes"):
         fetch_image_bytes(f"file://{allowed}/big.png", cfg, "p")
+
+
+def test_images_in_several_messages_of_one_conversation(llava_server, media_host):
+    """Issue 46 item 1: images per conversation, not only per message; after the metrics test
+    (a.png and b.png again: encoder-cache hits, no new encoder run)."""
+    import httpx
+    import openai
+
+    base, _ = media_host
+    client = openai.OpenAI(base_url=llava_server.url + "/v1", api_key="x", max_retries=0)
+
+    def conversation(second_url: str) -> list[dict]:
+        def user(url: str, text: str) -> dict:
+            return {"role": "user", "content": [url_part(url), {"type": "text", "text": text}]}
+
+        return [user(base + "/a.png", "a?"), {"role": "assistant", "content": "a cat"},
+                user(second_url, "and b?")]  # fmt: skip
+
+    messages = conversation(base + "/b.png")
+    got = client.chat.completions.create(
+        model="tiny-llava", messages=messages, max_tokens=MAX_NEW, temperature=0.0
+    )
+    body = {"messages": messages, "return_token_strs": True}
+    counted = httpx.post(llava_server.url + "/tokenize", json=body, timeout=30).json()
+    assert counted["token_strs"].count("<image>") == 32  # 16 per image, both messages
+    assert got.usage.prompt_tokens == counted["count"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="tiny-llava", messages=conversation(base + "/text"), max_tokens=MAX_NEW
+        )
+    assert err.value.body["param"] == "messages[2].content[0].image_url"

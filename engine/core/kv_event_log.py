@@ -26,15 +26,20 @@ def split_key(key: bytes) -> tuple[int, bytes]:
 def stored_info(request, vllm_hasher, block_size: int) -> Callable[[int, int], tuple]:
     """describe_stored's info for one request's blocks first..last: (LoRA adapter name or None,
     its int id or None, one untagged extra-keys entry per block or None). The extra keys are
-    those of vLLM's hash, so they are sent only when blocks are hashed as vLLM does."""
+    those of vLLM's hash; under our own hash only the images' (the same values: a block
+    holding an image's tokens always names it), not the adapter's (ours keys its content,
+    vLLM's its name and path) nor the cache salt (ours hashes it; it stays off the socket)."""
     lora = getattr(request, "lora_request", None)
     name, lora_id = (lora.name, lora.lora_int_id) if lora is not None else (None, None)
 
+    def block_keys(start: int) -> tuple | None:
+        keys = extra_keys(request, start, start + block_size)
+        if vllm_hasher is None and keys is not None:
+            keys = tuple(k for k in keys if k[0] == "mm") or None
+        return event_extra_keys(keys)
+
     def info(first: int, last: int) -> tuple:
-        if vllm_hasher is None:
-            return name, lora_id, None
-        keys = [event_extra_keys(extra_keys(request, i * block_size, (i + 1) * block_size))
-                for i in range(first, last + 1)]
+        keys = [block_keys(i * block_size) for i in range(first, last + 1)]
         return name, lora_id, (keys if any(k is not None for k in keys) else None)
 
     return info

@@ -19,7 +19,7 @@ from torch import nn
 from engine.layers import RMSNorm
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gemma3_vl_attention import ImageAwareAttention, StepImages
-from engine.models.llava import _RENAMES
+from engine.models.llava import _RENAMES, LlavaMixin
 from engine.models.vision_tower import VisionTower, activation
 from pagedserve_kernels import AttentionMetadata
 
@@ -125,7 +125,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return self.multi_modal_projector(self.vision_tower(pixel_values))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        vocab = self.model.embed_tokens.weight.shape[0]
+        vocab = self.config.vocab_size  # the whole vocabulary, not this rank's shard
         if self.image_token_id >= vocab:  # as transformers: an out-of-vocabulary soft token
             input_ids = torch.where(input_ids == self.image_token_id, 0, input_ids)
         return self.embed(input_ids)
@@ -151,6 +151,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         for layer, rope, kv_cache in zip(self.model.layers, ropes, kv_caches):
             x, residual = layer(x, residual, rope, meta, kv_cache)
         return self.model.norm(x, residual)[0]
+
+    # our name of a checkpoint tensor: the loader's TP sharding looks the layer up by it
+    checkpoint_name = staticmethod(LlavaMixin.checkpoint_name)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
         renamed = {}

@@ -73,7 +73,10 @@ def _http(url: str, config, param: str) -> bytes:
     try:
         with httpx.Client(follow_redirects=False, timeout=config.media_fetch_timeout) as client:
             for _ in range(_MAX_REDIRECTS + 1):
-                with client.stream("GET", url) as resp:
+                left = deadline - time.monotonic()  # one limit for the hops and the body
+                if left <= 0:
+                    raise _too_slow(param, config.media_fetch_timeout)
+                with client.stream("GET", url, timeout=left) as resp:
                     if resp.is_redirect:
                         url = urljoin(url, resp.headers.get("location", ""))
                         if (urlsplit(url).hostname or "").lower() != host:
@@ -83,7 +86,11 @@ def _http(url: str, config, param: str) -> bytes:
                     if resp.status_code != 200:
                         msg = f"{param}: fetching the image got HTTP {resp.status_code}"
                         raise ImageError(msg, param)
-                    return _read_limited(resp, config.max_media_bytes, deadline, param)
+                    return _read_limited(
+                        resp, config.max_media_bytes, deadline, param, config.media_fetch_timeout
+                    )
+    except httpx.TimeoutException:
+        raise _too_slow(param, config.media_fetch_timeout) from None
     except httpx.HTTPError as e:
         raise ImageError(
             f"{param}: fetching the image failed ({type(e).__name__})", param
@@ -91,7 +98,12 @@ def _http(url: str, config, param: str) -> bytes:
     raise ImageError(f"{param}: more than {_MAX_REDIRECTS} redirects", param)
 
 
-def _read_limited(resp, limit: int, deadline: float, param: str) -> bytes:
+def _too_slow(param: str, limit_s: float) -> ImageError:
+    msg = f"{param}: fetching the image took too long (more than {limit_s:g} s)"
+    return ImageError(msg, param)
+
+
+def _read_limited(resp, limit: int, deadline: float, param: str, limit_s: float) -> bytes:
     declared = resp.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(param, limit)
@@ -101,7 +113,7 @@ def _read_limited(resp, limit: int, deadline: float, param: str) -> bytes:
         if size > limit:
             raise _too_large(param, limit)
         if time.monotonic() > deadline:
-            raise ImageError(f"{param}: fetching the image took too long", param)
+            raise _too_slow(param, limit_s)
         chunks.append(chunk)
     return b"".join(chunks)
 
