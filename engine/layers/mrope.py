@@ -5,14 +5,16 @@ runs, run i rotated by component i.
 A token whose three components are equal (every text token) rotates exactly as plain RoPE at
 that position, so the model takes either positions [T] (text-only steps, decode: the fused and
 CPU-kernel paths of RotaryEmbedding run unchanged) or positions [3, T] (a step that holds image
-tokens: cos/sin computed here per token, in float32 as transformers does).
+tokens: cos/sin computed here per token, in float32 as transformers does; on the CPU kernels
+the same cos|sin, one row per token, go through the rotary kernel with positions 0..T-1, so an
+image step rotates q and k in place in one call per layer instead of a dozen tensor ops).
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.layers.rotary import NativeRope, RotaryEmbedding
+from engine.layers.rotary import CpuRope, NativeRope, RotaryEmbedding
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -41,12 +43,21 @@ class MRotaryEmbedding(RotaryEmbedding):
         if positions.dim() == 1:
             plain = getattr(self, "_plain_prepare", None) or self.prepare_native
             return plain(positions, max_seq_len, dtype)
+        if self.ops is not None:  # the CPU kernel over a per-token cos|sin table, row t for token t
+            freqs = self.mrope_freqs(positions)
+            table = torch.cat((freqs.cos().to(dtype), freqs.sin().to(dtype)), dim=-1)
+            rows = torch.arange(freqs.shape[0], device=positions.device)
+            return CpuRope(self.ops, rows, table)
         return NativeRope(*self.forward_mrope(positions, dtype))
+
+    def mrope_freqs(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T, D/2] float32 angles from positions [3, T]: frequency j takes component[j]."""
+        freqs = positions.float()[..., None] * self.inv_freq  # [3, T, D/2]
+        index = self.component.view(1, 1, -1).expand(1, freqs.shape[1], -1)
+        return freqs.gather(0, index)[0]
 
     def forward_mrope(self, positions: torch.Tensor, dtype: torch.dtype):
         """(cos, sin), each [T, 1, D], from positions [3, T]."""
-        freqs = positions.float()[..., None] * self.inv_freq  # [3, T, D/2]
-        index = self.component.view(1, 1, -1).expand(1, freqs.shape[1], -1)
-        freqs = freqs.gather(0, index)[0]  # [T, D/2]: frequency j takes component[j]
+        freqs = self.mrope_freqs(positions)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]

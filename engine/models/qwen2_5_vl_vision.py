@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import Linear, RMSNorm
-from engine.layers.rotary import apply_rope
+from engine.layers.base import KernelLayer
+from engine.layers.rotary import CpuRope, NativeRope
 from engine.models.vision_tower import activation
 
 
@@ -49,20 +50,38 @@ def patch_positions(grid_thw, merge: int) -> np.ndarray:
     return np.tile(np.stack([r, c], axis=1), (t, 1))
 
 
-class VisionRotary(nn.Module):
-    """Axial 2-D RoPE: the first half of the rotated dims by row, the second by column."""
+class VisionRotary(KernelLayer):
+    """Axial 2-D RoPE: the first half of the rotated dims by row, the second by column.
+
+    Returns the rope of one tower call: rotate(q, k) in float32 as transformers computes it (the
+    CPU rotary kernel over a per-patch cos|sin table when the tower runs in float32; the torch
+    ops otherwise, so bf16 still rotates in float32 and rounds once)."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float) / (head_dim // 2)
         self.inv_freq = 1.0 / theta**quarter  # float32 whatever the model's dtype: no buffer
 
-    def forward(self, rows_cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def freqs(self, rows_cols: torch.Tensor) -> torch.Tensor:  # [N, D/2] float32
         inv_freq = self.inv_freq.to(rows_cols.device)
-        freqs = rows_cols[..., None].float() * inv_freq  # [N, 2, D/4]
-        freqs = freqs.flatten(1)  # rows' then columns'
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [N, 1, D]
-        return emb.cos(), emb.sin()
+        return (rows_cols[..., None].float() * inv_freq).flatten(1)  # rows' then columns'
+
+    def forward_native(self, rows_cols: torch.Tensor, dtype: torch.dtype):
+        emb = torch.cat((self.freqs(rows_cols),) * 2, dim=-1)[:, None, :]  # [N, 1, D]
+        return VisionNativeRope(emb.cos(), emb.sin())
+
+    def forward_cpu(self, rows_cols: torch.Tensor, dtype: torch.dtype):
+        if dtype != torch.float32:
+            return self.forward_native(rows_cols, dtype)
+        freqs = self.freqs(rows_cols)
+        table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        return CpuRope(self.ops, torch.arange(freqs.shape[0], device=freqs.device), table)
+
+
+class VisionNativeRope(NativeRope):
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q2, k2 = super().rotate(q.float(), k.float())
+        return q2.to(q.dtype), k2.to(k.dtype)
 
 
 class VisionAttention(nn.Module):
@@ -77,9 +96,7 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope, lengths: list[int]) -> torch.Tensor:  # [N, D]
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        cos, sin = rope
-        q = apply_rope(q.float(), cos, sin).to(x.dtype)
-        k = apply_rope(k.float(), cos, sin).to(x.dtype)
+        q, k = rope.rotate(q, k)
         out = torch.empty_like(q)
         start = 0
         for length, count in _runs(lengths):  # segments of one length: one batched call
@@ -191,7 +208,7 @@ class Qwen2_5_VisionTower(nn.Module):
         x = self.patch_embed(patches)
         x = x.view(-1, unit, x.shape[-1])[order].flatten(0, 1)  # merged tokens window by window
         rows_cols = rows_cols.view(-1, unit, 2)[order].flatten(0, 1)
-        rope = self.rotary_pos_emb(rows_cols)
+        rope = self.rotary_pos_emb(rows_cols, x.dtype)
         for i, block in enumerate(self.blocks):
             x = block(x, rope, frames if i in self.full_layers else windows)
         return self.merger(x)[torch.argsort(order)]
