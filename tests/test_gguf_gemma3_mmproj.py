@@ -184,8 +184,8 @@ def test_refusals(files, tmp_path):
 
 
 def test_server_with_gemma3_mmproj_answers_like_transformers(files):
-    """`pagedserve serve text.gguf --mmproj mmproj.gguf`, the official openai client with a
-    data: URL: the reply's tokens are transformers' greedy continuation."""
+    """`pagedserve serve text.gguf --mmproj mmproj.gguf`, the official openai client with two
+    data: URLs: the reply's tokens are transformers' greedy continuation."""
     from conftest import ServerProcess
     from openai import OpenAI
     from test_multimodal import data_url, png_bytes, url_part
@@ -194,10 +194,11 @@ def test_server_with_gemma3_mmproj_answers_like_transformers(files):
     server = ServerProcess(
         str(text), "--mmproj", str(mmproj), "--dtype", "float32", "--served-model-name", "g"
     )
-    image = random_image(11)
+    images = [random_image(11), random_image(12, (24, 64))]
     try:
         client = OpenAI(base_url=server.wait_ready().url + "/v1", api_key="x")
-        content = [url_part(data_url(png_bytes(image))), {"type": "text", "text": "what?"}]
+        content = [url_part(data_url(png_bytes(image))) for image in images]
+        content.append({"type": "text", "text": "what?"})
         reply = client.chat.completions.create(
             model="g", messages=[{"role": "user", "content": content}], max_tokens=8,
             temperature=0.0, logprobs=True, extra_body={"ignore_eos": True},
@@ -206,10 +207,28 @@ def test_server_with_gemma3_mmproj_answers_like_transformers(files):
         server.stop()
     engine = _engine(text, mmproj)
     mm = engine.mm_processor
-    chat = f"<|im_start|>user\n{mm.image_token}\nwhat?<|im_end|>\n<|im_start|>assistant\n"
-    ids, inputs = mm.expand(engine.tokenizer.encode(chat), [mm.pixels(image, "image")])
+    parts = "\n".join([mm.image_token] * 2 + ["what?"])
+    chat = f"<|im_start|>user\n{parts}<|im_end|>\n<|im_start|>assistant\n"
+    ids, inputs = mm.expand(engine.tokenizer.encode(chat), [mm.pixels(i, "image") for i in images])
     assert reply.usage.prompt_tokens == len(ids)
     want = hf_greedy(hf_dir, ids, inputs)
     assert [t.token for t in reply.choices[0].logprobs.content] == [
         engine.tokenizer.decode([t]) for t in want
     ]
+    # the logprobs too (they move with the image even where the argmax does not)
+    got = torch.tensor([t.logprob for t in reply.choices[0].logprobs.content])
+    torch.testing.assert_close(got, _hf_logprobs(hf_dir, ids, inputs, want), atol=1e-3, rtol=0)
+
+
+def _hf_logprobs(hf_dir, ids: list[int], inputs: list, new: list[int]) -> torch.Tensor:
+    """transformers' logprob of each token of `new` after ids (+ the images)."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    model = Gemma3ForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    x = torch.tensor([ids + new])
+    with torch.inference_mode():
+        logits = model(
+            input_ids=x, pixel_values=torch.stack([i.pixel_values for i in inputs]),
+            token_type_ids=(x == model.config.image_token_id).long(),
+        ).logits[0, len(ids) - 1 : -1]  # fmt: skip
+    return logits.log_softmax(-1).gather(1, torch.tensor(new)[:, None])[:, 0]
