@@ -232,3 +232,38 @@ def _hf_logprobs(hf_dir, ids: list[int], inputs: list, new: list[int]) -> torch.
             token_type_ids=(x == model.config.image_token_id).long(),
         ).logits[0, len(ids) - 1 : -1]  # fmt: skip
     return logits.log_softmax(-1).gather(1, torch.tensor(new)[:, None])[:, 0]
+
+
+def test_q8_text_gguf_plus_gemma3_mmproj(files, tmp_path):
+    """The usual shipment: a quantized text GGUF beside the mmproj. float32 equals transformers'
+    Gemma 3 on the same dequantized text weights; bf16 serves the text linears from the packed
+    Q8_0 blocks."""
+    import shutil
+
+    import gguf
+    from safetensors.numpy import load_file, save_file
+
+    hf_dir, _, mmproj = files
+    text = tmp_path / "q8.gguf"
+    write_gguf(
+        _text_folder(hf_dir, tmp_path / "q8-hf"), text, "gemma3", "Q8",
+        gguf.GGMLQuantizationType.Q8_0, tokenizer=_tokenizer(),
+    )  # fmt: skip
+    joined = resolve_model(str(text), str(mmproj))
+    ref = tmp_path / "ref"  # the Gemma 3 with the text side's dequantized weights
+    shutil.copytree(hf_dir, ref)
+    state = load_file(str(ref / "model.safetensors"))
+    state = {n: w for n, w in state.items() if not n.startswith("language_model.")}
+    for name, weight in load_file(str(joined / "model.safetensors")).items():
+        state["language_model." + name] = weight  # the classic layout transformers reads
+    save_file(state, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    engine = _engine(text, mmproj)
+    prompt = image_prompt(engine, "q8", [random_image(6)])
+    assert generate(engine, {"q": prompt})["q"] == hf_greedy(ref, *prompt)
+    engine = _engine(text, mmproj, dtype="bfloat16")
+    packed = [
+        n for n, m in engine.runner.model.named_modules()
+        if getattr(m, "quantization", None) == "gguf"
+    ]  # fmt: skip
+    assert len(packed) == 6 * 4 + 1  # qkv, o, gate_up, down per layer (fused), and the head
+    assert len(generate(engine, {"b": image_prompt(engine, "q8", [random_image(6)])})["b"]) == 8
