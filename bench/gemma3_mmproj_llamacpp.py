@@ -95,12 +95,16 @@ def main() -> None:
     args = ap.parse_args()
     if not args.llama_server.is_file():
         sys.exit(f"{args.llama_server} is missing: bash bench/install_llamacpp.sh")
+    with tempfile.TemporaryDirectory(prefix="gemma3-mmproj-") as tmp:
+        compare(Path(tmp), args)
+
+
+def compare(root: Path, args) -> None:
     from test_gemma3_vision import generate, hf_greedy, random_image
 
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
-    root = Path(tempfile.mkdtemp(prefix="gemma3-mmproj-"))
     build(root)
     images = [random_image(seed, (32, 32)) for seed in range(args.images)]
     theirs = llamacpp_tokens(args.llama_server, root, images, "hi\n\n", "\n\nwhat?")
