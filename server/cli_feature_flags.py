@@ -26,7 +26,8 @@ def add_gguf_args(p) -> None:
         "--mmproj",
         metavar="PATH",
         help="llama.cpp's mmproj GGUF (vision tower + projector) for a .gguf text model, as "
-        "llama-server --mmproj: the model then takes images (projector type mlp, LLaVA) "
+        "llama-server --mmproj: the model then takes images (projector types mlp: LLaVA, "
+        "gemma3: Gemma 3) "
         "(default: none)",
     )
 

@@ -314,3 +314,66 @@ def _add_key(w, key: str, value) -> None:
         w.add_string(key, value)
     else:
         w.add_array(key, list(value))
+
+
+# ---- llama.cpp's mmproj file of a Gemma 3 model -----------------------------------------------
+def write_gemma3_mmproj(model_dir: Path, path: Path, **overrides) -> None:
+    """The image side of a transformers Gemma3ForConditionalGeneration folder as
+    convert_hf_to_gguf.py --mmproj --outtype f32 writes it (Gemma3VisionModel): arch `clip`,
+    projector type gemma3, the clip.vision.* keys of MmprojModel, use_gelu, the pool's
+    projector.scale_factor when it is not 4; tensor names from gguf-py's MMPROJ map
+    ("_weight" -> ".weight" first), mm.soft_emb_norm stored as 1 + weight and
+    mm.input_projection forced to F16. overrides replace metadata values (None: key left out)."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig, AutoImageProcessor
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    vcfg, text = cfg.vision_config, cfg.get_text_config()
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    side = vcfg.image_size // vcfg.patch_size
+    scale = side // int(cfg.mm_tokens_per_image**0.5)
+    keys = {
+        "general.type": "mmproj",
+        "general.file_type": 0,
+        "general.name": "tiny-gemma3",
+        "clip.has_vision_encoder": True,
+        "clip.vision.projection_dim": text.hidden_size,
+        "clip.vision.image_size": vcfg.image_size,
+        "clip.vision.patch_size": vcfg.patch_size,
+        "clip.vision.embedding_length": vcfg.hidden_size,
+        "clip.vision.feed_forward_length": vcfg.intermediate_size,
+        "clip.vision.block_count": vcfg.num_hidden_layers,
+        "clip.vision.attention.head_count": vcfg.num_attention_heads,
+        "clip.vision.image_mean": [float(x) for x in processor.image_mean],
+        "clip.vision.image_std": [float(x) for x in processor.image_std],
+        "clip.projector_type": "gemma3",
+        "clip.vision.attention.layer_norm_epsilon": float(vcfg.layer_norm_eps),
+        "clip.use_gelu": True,
+    }
+    if scale != 4:
+        keys["clip.vision.projector.scale_factor"] = scale
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vcfg.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), "clip")
+    for key, value in (keys | overrides).items():
+        if value is not None:
+            _add_key(w, key, value)
+    for hf_name, weight in load_file(str(model_dir / "model.safetensors")).items():
+        name = hf_name.removeprefix("model.")
+        if not name.startswith(("vision_tower.", "multi_modal_projector.")):
+            continue  # the text model: the text GGUF's
+        if "position_ids" in name:
+            continue
+        if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_"):
+            name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")  # hub layout
+        stem, _, kind = name.replace("_weight", ".weight").rpartition(".")
+        if names.get_name(stem) is None:
+            raise ValueError(f"no mmproj GGUF name for tensor {hf_name!r}")
+        target = f"{names.get_name(stem)}.{kind}"
+        if "soft_emb_norm" in name:
+            weight = weight + 1.0
+        if "input_projection" in name:
+            weight = weight.astype(np.float16)
+        w.add_tensor(target, weight)
+    write_file(w)

@@ -14,7 +14,9 @@ converter store the tower's fc1 as ffn_down and fc2 as ffn_up; as clip.cpp does,
 shapes say so is swapped back. The tower holds only the layers the projector reads (the
 converter drops the rest), so the feature layer is counted in the stored tower.
 
-Projector types served: `mlp` (LLaVA 1.5 style: CLIP or SigLIP tower, two linears with GELU).
+Projector types served: `mlp` (LLaVA 1.5 style: CLIP or SigLIP tower, two linears with GELU)
+and `gemma3` (Gemma 3: the SigLIP tower with v.post_ln, mm.soft_emb_norm stored as 1 + weight,
+mm.input_projection stored [vision width, text width]; engine/gguf/mmproj_gemma3.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 from engine.gguf.families import Meta
 
-SUPPORTED_PROJECTORS = ("mlp",)
+SUPPORTED_PROJECTORS = ("mlp", "gemma3")
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -41,7 +43,13 @@ _GLOBAL_NAMES = {
     "v.pre_ln": "pre_layrnorm",
     "v.post_ln": "post_layernorm",
 }
-_PROJECTOR_NAMES = {"mm.0": "linear_1", "mm.2": "linear_2"}
+_PROJECTOR_NAMES = {
+    "mm.0": "linear_1",
+    "mm.2": "linear_2",
+    "mm.soft_emb_norm": "mm_soft_emb_norm",  # gemma3
+}
+# gemma3: the projection is a bare parameter in transformers, not a Linear
+_BARE_PARAMETERS = {"mm.input_projection.weight": "mm_input_projection_weight"}
 _UNUSED = ("v.head.",)  # SigLIP's pooling head, which LLaVA never reads (clip.cpp neither)
 TOWER_PREFIX = "model.vision_tower.vision_model."
 PROJECTOR_PREFIX = "model.multi_modal_projector."
@@ -115,7 +123,9 @@ def _read_tensors(path: Path, reader: Any) -> dict[str, Any]:
 def vision_config(mm: MmprojFile) -> dict[str, Any]:
     """transformers' CLIPVisionConfig / SiglipVisionConfig of the stored tower."""
     siglip = "v.class_embd" not in mm.tensors  # CLIP has the class token, SigLIP none
-    if mm.meta.get("clip.use_gelu"):
+    if mm.projector_type == "gemma3":
+        act = "gelu_pytorch_tanh"  # Gemma 3's SigLIP (the converter's use_gelu is always true)
+    elif mm.meta.get("clip.use_gelu"):
         act = "gelu"  # the converter's use_gelu is hidden_act == "gelu"
     elif mm.meta.get("clip.use_silu"):
         act = "silu"
@@ -205,6 +215,8 @@ def hf_tensors(mm: MmprojFile) -> dict[str, Any]:
 def _hf_name(mm: MmprojFile, name: str) -> str:
     stem, _, kind = name.rpartition(".")
     parts = name.split(".")
+    if name in _BARE_PARAMETERS:
+        return f"{PROJECTOR_PREFIX}{_BARE_PARAMETERS[name]}"
     if name == "v.class_embd":
         return f"{TOWER_PREFIX}embeddings.class_embedding"
     if stem in _GLOBAL_NAMES:

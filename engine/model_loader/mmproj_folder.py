@@ -7,6 +7,10 @@ mean and std. engine/models/llava.py then serves it as any LLaVA folder.
 
 The image placeholder is the text vocabulary's `<image>` token (the one a Hugging Face LLaVA
 checkpoint adds and llama.cpp's text converter keeps); a vocabulary without one is refused.
+
+A `gemma3` mmproj beside a Gemma 3 text GGUF makes a Gemma3ForConditionalGeneration folder
+instead (engine/gguf/mmproj_gemma3.py): its image sequence's tokens from the vocabulary, the
+Gemma 3 image processor, and engine/models/gemma3_vl.py serves it as any Gemma 3 folder.
 """
 
 from __future__ import annotations
@@ -63,25 +67,38 @@ def _write_folder(text_dir: Path, mmproj_path: Path, out: Path) -> None:
 
     mm = mm_lib.MmprojFile(mmproj_path)
     text_config = json.loads((text_dir / "config.json").read_text())
-    image_token_id = _image_token_id(text_dir, mmproj_path)
-    config = mm_lib.llava_config(mm, text_config, image_token_id)
+    tensors = mm_lib.hf_tensors(mm)
+    if mm.projector_type == "gemma3":
+        from engine.gguf import mmproj_gemma3 as gemma3
+
+        ids = _token_ids(text_dir, mmproj_path, gemma3.IMAGE_TOKENS)
+        config = gemma3.gemma3_config(mm, text_config, ids)
+        processor = gemma3.image_processor(mm)
+        tensors = gemma3.fix_tensors(tensors)
+    else:
+        (image_token_id,) = _token_ids(text_dir, mmproj_path, (IMAGE_TOKEN,))
+        config = mm_lib.llava_config(mm, text_config, image_token_id)
+        processor = mm_lib.image_processor(mm)
     for item in text_dir.iterdir():
         if item.name not in _TEXT_ONLY:
             os.symlink(item, out / item.name)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    save_weights(mm_lib.hf_tensors(mm), out / MMPROJ_WEIGHTS)
-    mm_lib.image_processor(mm).save_pretrained(out)
+    save_weights(tensors, out / MMPROJ_WEIGHTS)
+    processor.save_pretrained(out)
 
 
-def _image_token_id(text_dir: Path, mmproj_path: Path) -> int:
+def _token_ids(text_dir: Path, mmproj_path: Path, tokens: tuple[str, ...]) -> list[int]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(text_dir)
-    token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-    if token_id is None or token_id == tokenizer.unk_token_id:
-        raise ValueError(
-            f"--mmproj {mmproj_path.name}: the text model's vocabulary has no {IMAGE_TOKEN} token "
-            "to stand for an image's embeddings (a LLaVA text GGUF converted from its Hugging "
-            "Face checkpoint has one)"
-        )
-    return int(token_id)
+    out = []
+    for token in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id:
+            raise ValueError(
+                f"--mmproj {mmproj_path.name}: the text model's vocabulary has no {token} token "
+                "to stand for an image's embeddings (a text GGUF converted from the vision "
+                "model's Hugging Face checkpoint has one)"
+            )
+        out.append(int(token_id))
+    return out

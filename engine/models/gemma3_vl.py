@@ -125,7 +125,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return self.multi_modal_projector(self.vision_tower(pixel_values))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        vocab = self.config.vocab_size  # the whole vocabulary, not this rank's shard
+        # the whole text vocabulary, as transformers: not this rank's shard, nor the embedding's
+        # shape (a packed GGUF has none)
+        vocab = self.vl_config.get_text_config().vocab_size
         if self.image_token_id >= vocab:  # as transformers: an out-of-vocabulary soft token
             input_ids = torch.where(input_ids == self.image_token_id, 0, input_ids)
         return self.embed(input_ids)
