@@ -405,6 +405,29 @@ def test_max_loras_bounds_each_step_and_preemption_keeps_peft_tokens(tiny_model_
     assert small.scheduler.num_preemptions_total > 0
 
 
+def test_max_loras_a_waiting_adapter_is_not_overtaken_by_the_running_one(tiny_model_dir, adapters):
+    """--max-loras 1 with "attn" running and a stream of new "attn" requests arriving each step:
+    the "mlp" request that arrived first is not overtaken by later "attn" ones (which could join
+    the running adapter), so it runs as soon as the running adapter's requests finish."""
+    engine = make_engine(tiny_model_dir, adapters, max_loras=1)
+    prompts = make_prompts(8, seed=13, min_len=6, max_len=8)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    engine.add_request("a0", prompts[0], params, lora_name="attn")
+    engine.step()
+    engine.add_request("m", prompts[1], params, lora_name="mlp")
+    first: dict[str, int] = {}
+    for step in range(200):
+        if step < 6:  # the running adapter's stream goes on while "m" waits
+            engine.add_request(f"a{step + 1}", prompts[step + 2], params, lora_name="attn")
+        for out in engine.step()[0]:
+            first.setdefault(out.request_id, step)
+        if not engine.has_unfinished_requests():
+            break
+    assert set(first) == {"m", *(f"a{i}" for i in range(7))}  # every request ran
+    assert all(first["m"] < first[f"a{i}"] for i in range(1, 7)), first
+    assert first["m"] <= MAX_NEW  # right after a0's last token
+
+
 @pytest.mark.parametrize(
     "family,targets",
     [("qwen2", ATTN + MLP), ("qwen3", ATTN + MLP), ("mistral", ATTN), ("qwen3-moe", ATTN)],
