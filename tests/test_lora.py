@@ -357,6 +357,7 @@ def test_packed_linears_take_adapters_and_the_fused_step_too(
     fused = runner.fused_decode
     if quantization is None:  # int8 has no fused decode step
         fused_run = fused.run
+
         def spy(*a, **k):
             calls.append(k.get("lora"))
             return fused_run(*a, **k)
