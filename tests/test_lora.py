@@ -417,16 +417,21 @@ def test_max_loras_a_waiting_adapter_is_not_overtaken_by_the_running_one(tiny_mo
     engine.step()
     engine.add_request("m", prompts[1], params, lora_name="mlp")
     first: dict[str, int] = {}
+    infos = []  # vllm:lora_requests_info's labels each step: (max_lora, running, waiting)
     for step in range(200):
         if step < 6:  # the running adapter's stream goes on while "m" waits
             engine.add_request(f"a{step + 1}", prompts[step + 2], params, lora_name="attn")
-        for out in engine.step()[0]:
+        outs, stats = engine.step()
+        infos.append(stats.lora_info)
+        for out in outs:
             first.setdefault(out.request_id, step)
         if not engine.has_unfinished_requests():
             break
     assert set(first) == {"m", *(f"a{i}" for i in range(7))}  # every request ran
     assert all(first["m"] < first[f"a{i}"] for i in range(1, 7)), first
     assert first["m"] <= MAX_NEW  # right after a0's last token
+    assert infos[0] == (1, "attn", "attn,mlp")  # the labels llm-d's LoRA affinity reads
+    assert infos[first["m"]] == (1, "mlp", "attn")
 
 
 @pytest.mark.parametrize(
