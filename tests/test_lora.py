@@ -132,6 +132,27 @@ def test_reload_under_the_same_name_changes_output_and_misses_the_cache(
     assert second == peft_greedy(tiny_model_dir, adapters["qv"], [prompt], MAX_NEW)[0]
 
 
+def test_loads_mid_request_never_disturb_running_requests(tiny_model_dir, adapters, tmp_path):
+    """While a request runs under "x": a refused load (rank above --max-lora-rank), a new
+    adapter and a reload of "x" with new weights; the running request still gets the old
+    weights' PEFT tokens, and a request after the reload gets the new weights'."""
+    prompt = make_prompts(1, seed=14, min_len=10, max_len=10)[0]
+    engine = make_engine(tiny_model_dir, {"x": adapters["attn"]}, max_lora_rank=8)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    engine.add_request("0", prompt, params, lora_name="x")
+    tokens = [t for out in engine.step()[0] for t in out.outputs[0].token_ids]  # prefill
+    with pytest.raises(LoRAError, match="r=16 exceeds --max-lora-rank 8"):
+        engine.lora_registry.load("x", str(adapters["all-rs"]))
+    tokens += [t for out in engine.step()[0] for t in out.outputs[0].token_ids]
+    engine.lora_registry.load("other", str(adapters["mlp"]), load_inplace=False)
+    engine.lora_registry.load("x", str(adapters["qv"]))  # new weights under the same name
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step()[0] for t in out.outputs[0].token_ids]
+    assert tokens == peft_greedy(tiny_model_dir, adapters["attn"], [prompt], MAX_NEW)[0]
+    (after,), _ = run(engine, [(prompt, "x")])
+    assert after == peft_greedy(tiny_model_dir, adapters["qv"], [prompt], MAX_NEW)[0]
+
+
 def test_unloaded_adapter_whose_folder_is_gone_and_slot_reused_finishes_its_requests(
     tiny_model_dir, adapters, tmp_path
 ):
