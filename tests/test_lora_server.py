@@ -114,6 +114,9 @@ def test_load_and_unload_adapters_at_runtime(dynamic_server, tiny_model_dir):
     r = load("live", b)
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
     assert "load_inplace" in r.json()["error"]["message"]
+    r = load("x", root / "nope")  # no such folder: 404, as vLLM
+    assert r.status_code == 404 and r.json()["error"]["param"] == "lora_path"
+    assert r.json()["error"]["message"] == f"{root / 'nope'}: no such LoRA adapter folder"
     r = load("live", big, load_inplace=True)  # r=16 > --max-lora-rank 8: refused, "live" stays
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
     assert "big/adapter_config.json: r=16 exceeds --max-lora-rank 8" in r.json()["error"]["message"]
