@@ -220,3 +220,19 @@ def test_phi3_fused_targets_at_two_ranks_match_peft_and_one_rank(tmp_path):
         assert got == expected
     finally:
         two.shutdown()
+
+
+def test_a_workers_refusal_is_the_exception_one_process_raises():
+    """A worker's (type name, message) comes back as the engine's own exception: a missing
+    folder stays a 404 at the server, any other refusal a 400, anything else a RuntimeError."""
+    from engine.lora.request import LoRAError, LoRAFolderNotFoundError
+    from engine.lora.workers import raise_lora_error
+
+    raise_lora_error(None)
+    with pytest.raises(LoRAFolderNotFoundError, match="^/x: no such"):
+        raise_lora_error(("LoRAFolderNotFoundError", "/x: no such LoRA adapter folder"))
+    with pytest.raises(LoRAError) as e:
+        raise_lora_error(("LoRAError", "r=16 exceeds"))
+    assert type(e.value) is LoRAError
+    with pytest.raises(RuntimeError, match="KeyError: boom"):
+        raise_lora_error(("KeyError", "boom"))
