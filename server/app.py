@@ -115,8 +115,8 @@ def _add_model_routes(app: FastAPI, engine: AsyncEngine, ctx: ServingContext) ->
             card.input_modalities = ["text", "image"]
         cards = [card]
         for lora in getattr(engine, "lora_adapters", ()):
-            parent = lora.base_model_name or ctx.model_name
-            cards.append(ModelCard(id=lora.name, root=lora.path, parent=parent))
+            # vLLM keeps base_model_name only where it names a served model, else the first
+            cards.append(ModelCard(id=lora.name, root=lora.path, parent=ctx.model_name))
         return cards
 
     @app.get("/v1/models")

@@ -132,6 +132,27 @@ def test_reload_under_the_same_name_changes_output_and_misses_the_cache(
     assert second == peft_greedy(tiny_model_dir, adapters["qv"], [prompt], MAX_NEW)[0]
 
 
+def test_loads_mid_request_never_disturb_running_requests(tiny_model_dir, adapters, tmp_path):
+    """While a request runs under "x": a refused load (rank above --max-lora-rank), a new
+    adapter and a reload of "x" with new weights; the running request still gets the old
+    weights' PEFT tokens, and a request after the reload gets the new weights'."""
+    prompt = make_prompts(1, seed=14, min_len=10, max_len=10)[0]
+    engine = make_engine(tiny_model_dir, {"x": adapters["attn"]}, max_lora_rank=8)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    engine.add_request("0", prompt, params, lora_name="x")
+    tokens = [t for out in engine.step()[0] for t in out.outputs[0].token_ids]  # prefill
+    with pytest.raises(LoRAError, match="r=16 exceeds --max-lora-rank 8"):
+        engine.lora_registry.load("x", str(adapters["all-rs"]))
+    tokens += [t for out in engine.step()[0] for t in out.outputs[0].token_ids]
+    engine.lora_registry.load("other", str(adapters["mlp"]), load_inplace=False)
+    engine.lora_registry.load("x", str(adapters["qv"]))  # new weights under the same name
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step()[0] for t in out.outputs[0].token_ids]
+    assert tokens == peft_greedy(tiny_model_dir, adapters["attn"], [prompt], MAX_NEW)[0]
+    (after,), _ = run(engine, [(prompt, "x")])
+    assert after == peft_greedy(tiny_model_dir, adapters["qv"], [prompt], MAX_NEW)[0]
+
+
 def test_unloaded_adapter_whose_folder_is_gone_and_slot_reused_finishes_its_requests(
     tiny_model_dir, adapters, tmp_path
 ):
@@ -357,6 +378,7 @@ def test_packed_linears_take_adapters_and_the_fused_step_too(
     fused = runner.fused_decode
     if quantization is None:  # int8 has no fused decode step
         fused_run = fused.run
+
         def spy(*a, **k):
             calls.append(k.get("lora"))
             return fused_run(*a, **k)
@@ -403,6 +425,34 @@ def test_max_loras_bounds_each_step_and_preemption_keeps_peft_tokens(tiny_model_
     got, _ = run(small, list(zip(prompts, names)))
     assert got == expected
     assert small.scheduler.num_preemptions_total > 0
+
+
+def test_max_loras_a_waiting_adapter_is_not_overtaken_by_the_running_one(tiny_model_dir, adapters):
+    """--max-loras 1 with "attn" running and a stream of new "attn" requests arriving each step:
+    the "mlp" request that arrived first is not overtaken by later "attn" ones (which could join
+    the running adapter), so it runs as soon as the running adapter's requests finish."""
+    engine = make_engine(tiny_model_dir, adapters, max_loras=1)
+    prompts = make_prompts(8, seed=13, min_len=6, max_len=8)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    engine.add_request("a0", prompts[0], params, lora_name="attn")
+    engine.step()
+    engine.add_request("m", prompts[1], params, lora_name="mlp")
+    first: dict[str, int] = {}
+    infos = []  # vllm:lora_requests_info's labels each step: (max_lora, running, waiting)
+    for step in range(200):
+        if step < 6:  # the running adapter's stream goes on while "m" waits
+            engine.add_request(f"a{step + 1}", prompts[step + 2], params, lora_name="attn")
+        outs, stats = engine.step()
+        infos.append(stats.lora_info)
+        for out in outs:
+            first.setdefault(out.request_id, step)
+        if not engine.has_unfinished_requests():
+            break
+    assert set(first) == {"m", *(f"a{i}" for i in range(7))}  # every request ran
+    assert all(first["m"] < first[f"a{i}"] for i in range(1, 7)), first
+    assert first["m"] <= MAX_NEW  # right after a0's last token
+    assert infos[0] == (1, "attn", "attn,mlp")  # the labels llm-d's LoRA affinity reads
+    assert infos[first["m"]] == (1, "mlp", "attn")
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,9 @@ def test_models_list_adapters_with_parent(lora_server):
     client = openai.OpenAI(base_url=lora_server.url + "/v1", api_key="x", max_retries=0)
     cards = {m.id: m for m in client.models.list().data}
     assert list(cards) == ["tiny", "attn", "mlp"]
-    assert cards["attn"].parent == "tiny" and cards["mlp"].parent == "tiny-base"
+    # vLLM 0.32's `vllm serve` lists a base_model_name that is not a served model's name (here
+    # "tiny-base") as the served model: a parent is always a model this server serves
+    assert cards["attn"].parent == "tiny" and cards["mlp"].parent == "tiny"
     assert cards["attn"].root == str(lora_server.paths["attn"])
     assert client.models.retrieve("mlp").id == "mlp"
 
@@ -112,6 +114,9 @@ def test_load_and_unload_adapters_at_runtime(dynamic_server, tiny_model_dir):
     r = load("live", b)
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
     assert "load_inplace" in r.json()["error"]["message"]
+    r = load("x", root / "nope")  # no such folder: 404, as vLLM
+    assert r.status_code == 404 and r.json()["error"]["param"] == "lora_path"
+    assert r.json()["error"]["message"] == f"{root / 'nope'}: no such LoRA adapter folder"
     r = load("live", big, load_inplace=True)  # r=16 > --max-lora-rank 8: refused, "live" stays
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
     assert "big/adapter_config.json: r=16 exceeds --max-lora-rank 8" in r.json()["error"]["message"]

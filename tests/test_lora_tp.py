@@ -162,3 +162,77 @@ def test_load_refuse_and_unload_at_two_ranks_through_the_server(tp_server):
         complete("live")
     assert complete("tiny") == expect(None)
     assert httpx.get(url + "/health").status_code == 200  # the workers kept serving
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fused_phi3_adapter_slices_follow_the_fused_base_shards(rank, num_kv_heads, monkeypatch):
+    """Phi-3's fused qkv_proj / gate_up_proj: one PEFT pair over the whole fused module; at each
+    rank B_rank @ A is the slice of B @ A that the base linear's load_shard takes of a weight
+    stored fused (q, k, v and gate, up each cut on their own, stacked again)."""
+    import engine.distributed as distributed
+    from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+    from engine.lora.sharding import full_shape, shard_pair
+
+    monkeypatch.setattr(distributed, "_STATE", ParallelState(rank=rank, world_size=2))
+    qkv = QKVParallelLinear(64, 16, 4, num_kv_heads, False)
+    gate_up = MergedColumnParallelLinear(64, 128)
+    cases = [
+        ("qkv_proj", qkv, qkv.q_size + 2 * qkv.kv_size, 64 + 2 * 16 * num_kv_heads),
+        ("gate_up_proj", gate_up, 2 * gate_up.part_size, 256),
+    ]
+    gen = torch.Generator().manual_seed(10 + rank)
+    for hf, lin, size, full_out in cases:
+        assert full_shape(hf, lin, size) == (64, full_out), hf
+        a, b = torch.randn(8, 64, generator=gen), torch.randn(full_out, 8, generator=gen)
+        a_rank, b_rank = shard_pair(hf, lin, a, b)
+        assert b_rank.shape == (size, 8), hf
+        want = lin.load_shard("weight", None, _Slice(b @ a))
+        torch.testing.assert_close(b_rank @ a_rank, want, msg=hf)
+
+
+PHI3_FUSED = ["qkv_proj", "gate_up_proj"]
+
+
+def test_phi3_fused_targets_at_two_ranks_match_peft_and_one_rank(tmp_path):
+    """A tiny random Phi-3 (q/k/v and gate/up fused, as in its HF class): adapters on the fused
+    modules and on o/down give PEFT's greedy float32 tokens at one and at two ranks, mixed with
+    each other and the base model in one batch."""
+    base = build_case_dir(tmp_path / "phi3", "phi3")
+    root = tmp_path / "loras"
+    adapters = {
+        "fused": build_adapter(base, root / "fused", 51, 8, PHI3_FUSED, lora_alpha=16),
+        "od": build_adapter(base, root / "od", 52, 4, ["o_proj", "down_proj"], lora_alpha=8),
+        "all-rs": build_adapter(
+            base, root / "all-rs", 53, 8, PHI3_FUSED + ["o_proj", "down_proj"], use_rslora=True
+        ),
+    }
+    prompt = make_prompts(1, seed=8, min_len=11, max_len=11)[0]
+    names = [None, "fused", "od", "all-rs"]
+    expected = [peft_greedy(base, adapters[n] if n else None, [prompt], MAX_NEW)[0] for n in names]
+    assert len({tuple(t) for t in expected}) == 4  # each adapter changes the tokens
+    kw = dict(max_loras=3)
+    got_one, _ = run(make_engine(base, adapters, **kw), [(prompt, n) for n in names])
+    assert got_one == expected
+    two = make_engine(base, adapters, tensor_parallel_size=2, **kw)
+    try:
+        got, _ = run(two, [(prompt, n) for n in names])
+        assert got == expected
+    finally:
+        two.shutdown()
+
+
+def test_a_workers_refusal_is_the_exception_one_process_raises():
+    """A worker's (type name, message) comes back as the engine's own exception: a missing
+    folder stays a 404 at the server, any other refusal a 400, anything else a RuntimeError."""
+    from engine.lora.request import LoRAError, LoRAFolderNotFoundError
+    from engine.lora.workers import raise_lora_error
+
+    raise_lora_error(None)
+    with pytest.raises(LoRAFolderNotFoundError, match="^/x: no such"):
+        raise_lora_error(("LoRAFolderNotFoundError", "/x: no such LoRA adapter folder"))
+    with pytest.raises(LoRAError) as e:
+        raise_lora_error(("LoRAError", "r=16 exceeds"))
+    assert type(e.value) is LoRAError
+    with pytest.raises(RuntimeError, match="KeyError: boom"):
+        raise_lora_error(("KeyError", "boom"))

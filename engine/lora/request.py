@@ -15,6 +15,10 @@ class LoRAError(ValueError):
     """A LoRA adapter that cannot be served: the message names the file and tensor or key."""
 
 
+class LoRAFolderNotFoundError(LoRAError):
+    """The adapter folder does not exist (vLLM's load_lora_adapter answers 404)."""
+
+
 @dataclass(frozen=True)
 class LoRARequest:
     """One served adapter. content_hash (of its config and weights) is its identity: the
@@ -60,7 +64,7 @@ def adapter_files(path: str | Path) -> tuple[Path, Path]:
     """(adapter_config.json, adapter_model.safetensors) of a PEFT folder, both present."""
     folder = Path(path)
     if not folder.is_dir():
-        raise LoRAError(f"{folder}: no such LoRA adapter folder")
+        raise LoRAFolderNotFoundError(f"{folder}: no such LoRA adapter folder")
     config, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
     if not config.is_file():
         raise LoRAError(f"{config}: missing (a PEFT adapter folder has {ADAPTER_CONFIG})")

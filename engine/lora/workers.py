@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.lora.request import LoRAError
+from engine.lora.request import LoRAError, LoRAFolderNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ def raise_lora_error(error: tuple[str, str] | None) -> None:
     if error is None:
         return
     kind, message = error
+    if kind == "LoRAFolderNotFoundError":
+        raise LoRAFolderNotFoundError(message)
     if kind in ("LoRAError", "LoRANotFoundError", "ValueError"):
         raise LoRAError(message)
     raise RuntimeError(f"LoRA adapter op failed in a worker: {kind}: {message}")

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from engine.async_engine import AsyncEngine
 from engine.lora.registry import LoRANotFoundError
-from engine.lora.request import LoRAError
+from engine.lora.request import LoRAError, LoRAFolderNotFoundError
 from server.openai.errors import APIError
 
 ENV_FLAG = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -47,6 +47,8 @@ def install_lora_routes(app: FastAPI, engine: AsyncEngine) -> bool:
         name = body.lora_name
         try:
             await asyncio.to_thread(engine.load_lora, name, body.lora_path, body.load_inplace)
+        except LoRAFolderNotFoundError as e:  # vLLM: 404 NotFoundError
+            raise APIError(404, str(e), "NotFoundError", "lora_path") from e
         except LoRAError as e:
             param = "lora_name" if str(e).startswith("The lora adapter") else "lora_path"
             raise APIError(400, str(e), param=param) from e
