@@ -170,8 +170,9 @@ def test_store_is_a_bounded_lru(monkeypatch):
     assert not store._thread.is_alive()
 
 
-def test_loads_never_stall_the_loop_and_an_abort_leaks_nothing(tiny_model_dir, prompts,
-                                                               monkeypatch):
+def test_loads_never_stall_the_loop_and_an_abort_leaks_nothing(
+    tiny_model_dir, prompts, monkeypatch
+):
     from test_kv_offload import _step_until
 
     long_prompt = prompts[1] + prompts[2]
