@@ -54,7 +54,6 @@ class HostKVStore:
         self.stream = torch.cuda.Stream(self.tensors[0].device) if self.cuda else None
         self._index: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # complete copies, LRU first
         self._stores: dict[bytes, tuple[torch.Tensor, object]] = {}  # in flight (CUDA)
-        self._free: list[torch.Tensor] = []
         self._num_buffers = 0
         self._reading: dict[bytes, int] = {}  # key -> loads in flight reading its buffer
         self._loads: list[tuple[int, bytes, object]] = []  # in flight: block id, key, event
@@ -177,9 +176,7 @@ class HostKVStore:
         self.bytes_stored_total += self.block_bytes
 
     def _take_buffer(self) -> torch.Tensor | None:
-        """A free buffer, a new one within the bound, or the least recently used block's."""
-        if self._free:
-            return self._free.pop()
+        """A new buffer within the bound, or the least recently used block's."""
         if self._num_buffers < self.capacity_blocks:
             self._num_buffers += 1
             return torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.cuda)
@@ -233,4 +230,3 @@ class HostKVStore:
                 self._lock.notify_all()
             self._thread.join()
         self._index.clear()
-        self._free.clear()
