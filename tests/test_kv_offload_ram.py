@@ -105,6 +105,11 @@ def test_backend_selection(tiny_model_dir, tmp_path):
     assert not uses_host_memory("disk", "cuda")
     with pytest.raises(ValueError, match="native, disk or cpu"):
         EngineConfig(kv_offloading_size=1, kv_offloading_backend="ram")
+    from engine.kv_offload.setup import attach_kv_offload
+
+    cfg = EngineConfig(kv_offloading_size=1, kv_offloading_backend="cpu")
+    with pytest.raises(ValueError, match="one process"):  # tensor parallel workers: disk only
+        attach_kv_offload(SimpleNamespace(config=cfg, executor=SimpleNamespace()))
     llm = _llm(tiny_model_dir, kv_offloading_backend="native", kv_offloading_dir=str(tmp_path))
     assert isinstance(llm.engine.kv_offload.store, DiskKVStore)  # on CPU: today's disk tier
     llm.engine.shutdown()
