@@ -11,9 +11,9 @@ its conversation so far (the previous answers included), and waits for --max-tok
 tokens. The pool holds a quarter of the users' contexts, so by the time a user comes back its
 prefix was evicted: "recompute" computes it again, "tier disk" loads it back from the disk tier
 (--kv-offloading-size, a fresh folder), "tier cpu" from the host-memory tier (--backends).
-Reported per mode: TTFT p50/p90 over rounds 2.. (round 1
-is cold in both), prompt tokens computed, tier hits, bytes each way, wall time and requests/s,
-with tier/recompute ratios, and how many answers the two modes agree on.
+Reported per mode: TTFT p50/p90 over rounds 2.. (round 1 is cold in all), prompt tokens
+computed, tier hits, bytes each way, wall time and requests/s, with tier/recompute ratios, and
+how many answers each tier agrees on with recompute.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def run_mode(args, tier_dir: str | None, backend: str | None = None) -> dict:
     working_set = args.users * (
         args.context_tokens + args.rounds * (args.turn_tokens + args.max_tokens)
     )
-    num_blocks = max(working_set // bs // args.pool_ratio, (args.context_tokens * 3 // 2) // bs)
+    num_blocks = int(max(working_set // bs / args.pool_ratio, (args.context_tokens * 3 // 2) // bs))
     engine = LLMEngine(
         EngineConfig(model=args.model, dtype=args.dtype, num_gpu_blocks_override=num_blocks, **kw)
     )

@@ -171,6 +171,12 @@ def test_store_is_a_bounded_lru(monkeypatch):
     for pair in caches:
         for t in pair:
             assert torch.equal(t[7], t[0])
+    # One step that loads the LRU block and stores a new one: the store takes another buffer.
+    assert list(store._index) == [keys[3], new, keys[0]]
+    store.step(_out(stores=[(2, bytes([10]) * 32)], loads=[(6, keys[3])]))
+    _load(store, 6, keys[3])
+    assert store.applied[-2:] == [(6, True)] * 2 and store.contains(keys[3])
+    assert not store.contains(new) and store.contains(bytes([10]) * 32)
     store.close()
     assert not store._thread.is_alive()
 

@@ -87,9 +87,12 @@ class HostKVStore:
         """At the top of ModelRunner.execute: this step's stores and loads, then finished loads."""
         if self.cuda and (out.kv_stores or out.kv_loads):
             self.stream.wait_stream(torch.cuda.current_stream())
+        # The loads' buffers are held first, so this step's stores never reuse one of them; the
+        # stores go first, as a load may land in a block evicted (and stored) this step.
+        loads = [(block_id, key, self._hold(key)) for block_id, key in out.kv_loads]
         self.store_blocks(out.kv_stores)
-        for block_id, key in out.kv_loads:
-            self._load(block_id, key)
+        for block_id, key, buf in loads:
+            self._load(block_id, key, buf)
         if self.num_inflight and out.is_empty:  # nothing else to do: let the copies catch up
             self.wait_for_load(_IDLE_WAIT_S)
         self._poll()
@@ -118,13 +121,18 @@ class HostKVStore:
             self._copy_out(block_id, buf)
             self._add(key, buf)
 
-    def _load(self, block_id: int, key: bytes) -> None:
+    def _hold(self, key: bytes) -> torch.Tensor | None:
+        """key's buffer, kept from reuse until its load is done (None: not in the store)."""
         buf = self._index.get(key)
-        if buf is None:  # gone since the scheduler looked (cannot happen on one thread)
+        if buf is not None:
+            self._index.move_to_end(key)
+            self._reading[key] = self._reading.get(key, 0) + 1
+        return buf
+
+    def _load(self, block_id: int, key: bytes, buf: torch.Tensor | None) -> None:
+        if buf is None:  # not in the store (the scheduler saw it there: cannot happen)
             self.applied.append((block_id, False))
             return
-        self._index.move_to_end(key)
-        self._reading[key] = self._reading.get(key, 0) + 1
         self.num_inflight += 1
         if self.cuda:
             with torch.cuda.stream(self.stream):
