@@ -221,3 +221,36 @@ def test_loads_never_stall_the_loop_and_an_abort_leaks_nothing(
     _step_until(engine, done, lambda: not tier.loading)
     _assert_all_free(llm)
     engine.shutdown()
+
+
+def test_swap_entries_are_pinned_read_once_and_make_prefix_blocks_go():
+    from engine.kv_offload.host_store import SWAP_PREFIX
+
+    caches = _fake_caches()
+    one = HostKVStore(caches, 0).block_bytes
+    store = HostKVStore(caches, 3 * one)
+    keys = [bytes([i]) * 32 for i in range(3)]
+    swaps = [SWAP_PREFIX + bytes([i]) * 8 for i in range(3)]
+    store.step(_out(stores=[(i, keys[i]) for i in range(3)]))
+    assert store.swap_room(3 * one) and not store.swap_room(4 * one)
+    store.step(_out(stores=[(3, swaps[0]), (4, swaps[1])]))  # two prefix blocks make way
+    assert [store.contains(k) for k in keys] == [False, False, True]
+    assert not store.contains(swaps[0]) and store.swap_bytes == 2 * one
+    assert not store.swap_room(2 * one) and store.swap_room(one)
+    store.step(_out(stores=[(5, keys[0])]))  # a prefix store never evicts a swap entry
+    assert store.contains(keys[0]) and not store.contains(keys[2]) and store.swap_bytes == 2 * one
+    for pair in caches:
+        for t in pair:
+            t[3].zero_()
+    _load(store, 3, swaps[0])  # read once: the buffer is free again
+    assert store.applied == [(3, True)] and store.swap_bytes == one
+    for pair in caches:
+        for t in pair:
+            assert t[3].eq(t[4] - 1).all()  # block 3's old rows (each block: its id)
+    store.drop_swap(swaps[1])  # its blocks were still in the pool
+    assert store.swap_bytes == 0 and len(store._free) == 2 and store._num_buffers == 3
+    store.step(_out(stores=[(6, keys[1]), (7, keys[2])]))  # the free buffers, nothing evicted
+    assert [store.contains(k) for k in keys] == [True, True, True]
+    _load(store, 0, swaps[1])  # dropped: a failed load, recomputed by the scheduler
+    assert store.applied[-1] == (0, False)
+    store.close()

@@ -18,6 +18,10 @@ How the copies leave the step loop:
   writes a block only the tier holds (no request reads it until applied), so the copy thread
   does it while the loop goes on.
 Either way a loaded block is reported in `applied` only once its copy is complete.
+
+Swap preemption (engine/core/kv_swap.py) puts a victim's blocks under SWAP_PREFIX keys: they are
+pinned (never LRU victims, never prefix hits: contains() is False), read once, then their
+buffers are free again; prefix blocks make way for them within the bound (swap_room).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.01  # an empty step with loads in flight waits this long for one
+SWAP_PREFIX = b"\x00swap"  # engine/core/kv_swap.py's (imported from there once both are on main)
 
 
 class HostKVStore:
@@ -54,9 +59,11 @@ class HostKVStore:
         self.stream = torch.cuda.Stream(self.tensors[0].device) if self.cuda else None
         self._index: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # complete copies, LRU first
         self._stores: dict[bytes, tuple[torch.Tensor, object]] = {}  # in flight (CUDA)
+        self._swap: dict[bytes, torch.Tensor] = {}  # swapped-out blocks, pinned until loaded
+        self._free: list[torch.Tensor] = []  # buffers of swap entries loaded or dropped
         self._num_buffers = 0
         self._reading: dict[bytes, int] = {}  # key -> loads in flight reading its buffer
-        self._loads: list[tuple[int, bytes, object]] = []  # in flight: block id, key, event
+        self._loads: list[tuple] = []  # in flight: block id, key, event, buffer
         self._lock = threading.Condition()
         self._jobs: deque[tuple[int, bytes, torch.Tensor]] = deque()  # CPU loads, copy thread
         self._done: deque[tuple[int, bool]] = deque()  # loads the copy thread finished
@@ -82,6 +89,20 @@ class HostKVStore:
     def usage_bytes(self) -> int:
         return len(self._index) * self.block_bytes
 
+    @property
+    def swap_bytes(self) -> int:
+        return len(self._swap) * self.block_bytes
+
+    def swap_room(self, num_bytes: int) -> bool:
+        """Whether num_bytes more of swap fit the bound (prefix blocks make way for it)."""
+        return self.swap_bytes + num_bytes <= self.capacity_blocks * self.block_bytes
+
+    def drop_swap(self, key: bytes) -> None:
+        """Forget a swap entry that will not be loaded (its blocks were still in the pool)."""
+        buf = self._swap.pop(key, None)
+        if buf is not None:
+            self._free.append(buf)
+
     # ---- the runner's side (the loop thread) -------------------------------------------------
     def step(self, out) -> None:
         """At the top of ModelRunner.execute: this step's stores and loads, then finished loads."""
@@ -101,7 +122,7 @@ class HostKVStore:
         for block_id, key in blocks:
             if key in self._index:
                 self._index.move_to_end(key)
-            elif key not in self._stores:
+            elif key not in self._stores and key not in self._swap:
                 self._store(block_id, key)
         if self.cuda and blocks:  # the forward may overwrite an evicted block: after the copy
             torch.cuda.current_stream().wait_stream(self.stream)
@@ -111,7 +132,11 @@ class HostKVStore:
         if buf is None:
             self.num_dropped_total += 1
             return
-        if self.cuda:
+        if key.startswith(SWAP_PREFIX):  # loaded later on the same stream / after this copy
+            self._copy_out(block_id, buf)
+            self._swap[key] = buf
+            self.bytes_stored_total += self.block_bytes
+        elif self.cuda:
             with torch.cuda.stream(self.stream):
                 self._copy_out(block_id, buf)
                 event = torch.cuda.Event()
@@ -123,6 +148,8 @@ class HostKVStore:
 
     def _hold(self, key: bytes) -> torch.Tensor | None:
         """key's buffer, kept from reuse until its load is done (None: not in the store)."""
+        if key.startswith(SWAP_PREFIX):  # read once: the buffer is free when the load is done
+            return self._swap.pop(key, None)
         buf = self._index.get(key)
         if buf is not None:
             self._index.move_to_end(key)
@@ -139,9 +166,9 @@ class HostKVStore:
                 self.copy_in(block_id, buf)
                 event = torch.cuda.Event()
                 event.record()
-            self._loads.append((block_id, key, event))
+            self._loads.append((block_id, key, event, buf))
             return
-        self._loads.append((block_id, key, None))
+        self._loads.append((block_id, key, None, buf))
         with self._lock:
             self._jobs.append((block_id, key, buf))
             self._lock.notify_all()
@@ -155,17 +182,15 @@ class HostKVStore:
         with self._lock:
             done, self._done = dict(self._done), deque()
         still = []
-        for block_id, key, event in self._loads:
+        for block_id, key, event, buf in self._loads:
             if event.query() if event is not None else block_id in done:
                 ok = done.get(block_id, True)
                 self.num_inflight -= 1
-                self._reading[key] -= 1
-                if not self._reading[key]:
-                    del self._reading[key]
+                self._release(key, buf)
                 self.bytes_loaded_total += self.block_bytes * ok
                 self.applied.append((block_id, ok))
             else:
-                still.append((block_id, key, event))
+                still.append((block_id, key, event, buf))
         self._loads = still
 
     def wait_for_load(self, timeout: float) -> None:
@@ -179,12 +204,23 @@ class HostKVStore:
                 self._lock.wait_for(lambda: bool(self._done) or self._stop, timeout)
 
     # ---- buffers -----------------------------------------------------------------------------
+    def _release(self, key: bytes, buf: torch.Tensor) -> None:
+        """A load of key is done: a swap buffer is free, a prefix block's may be reused."""
+        if key.startswith(SWAP_PREFIX):
+            self._free.append(buf)
+            return
+        self._reading[key] -= 1
+        if not self._reading[key]:
+            del self._reading[key]
+
     def _add(self, key: bytes, buf: torch.Tensor) -> None:
         self._index[key] = buf
         self.bytes_stored_total += self.block_bytes
 
     def _take_buffer(self) -> torch.Tensor | None:
-        """A new buffer within the bound, or the least recently used block's."""
+        """A free or new buffer within the bound, or the least recently used block's."""
+        if self._free:
+            return self._free.pop()
         if self._num_buffers < self.capacity_blocks:
             self._num_buffers += 1
             return torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.cuda)
@@ -238,3 +274,5 @@ class HostKVStore:
                 self._lock.notify_all()
             self._thread.join()
         self._index.clear()
+        self._swap.clear()
+        self._free.clear()

@@ -130,6 +130,10 @@ def _attach_host(engine, runner) -> KVOffload:
     manager.tier = tier
     engine.scheduler.kv_tier = tier
     runner.kv_offload = store
+    if hasattr(engine.scheduler, "kv_swap"):  # swap preemption (i45s): once both are on main,
+        from engine.core.kv_swap import KVSwap  # this is the line the disk tier has
+
+        tier.swap = engine.scheduler.kv_swap = KVSwap(manager, store, store.block_bytes)
     logger.info(
         "KV tier: %.2f GiB of host memory%s (%d blocks of %d KiB)",
         size,
