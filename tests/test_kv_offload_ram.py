@@ -254,3 +254,19 @@ def test_swap_entries_are_pinned_read_once_and_make_prefix_blocks_go():
     _load(store, 0, swaps[1])  # dropped: a failed load, recomputed by the scheduler
     assert store.applied[-1] == (0, False)
     store.close()
+
+
+def test_swap_preemption_through_the_ram_tier(tiny_model_dir):
+    """Runs once swap preemption (engine/core/kv_swap.py, branch i45s) is on the same tree."""
+    pytest.importorskip("engine.core.kv_swap")
+    prompts = make_prompts(4, min_len=20, max_len=24, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = _llm(tiny_model_dir, num_gpu_blocks_override=20)
+    swap = llm.engine.scheduler.kv_swap
+    swap.min_tokens = 0  # every preemption swaps
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_model_dir, prompts, 24)
+    assert swap.num_swapped_out_total > 0 and swap.in_blocks_total > 0
+    assert llm.engine.kv_offload.store.swap_bytes == 0
+    _assert_all_free(llm)
+    llm.engine.shutdown()
