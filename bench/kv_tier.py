@@ -10,10 +10,11 @@ Each user has a document of --context-tokens random tokens (a RAG context or a l
 prompt); every round each user in turn asks a new question of --turn-tokens tokens, appended to
 its conversation so far (the previous answers included), and waits for --max-tokens greedy
 tokens. The pool holds a quarter of the users' contexts, so by the time a user comes back its
-prefix was evicted: "recompute" computes it again, "tier" loads it back from the disk tier
-(--kv-offloading-size, a fresh folder). Reported per mode: TTFT p50/p90 over rounds 2.. (round 1
-is cold in both), prompt tokens computed, tier hits, bytes each way, wall time and requests/s,
-with tier/recompute ratios, and how many answers the two modes agree on.
+prefix was evicted: "recompute" computes it again, "tier disk" loads it back from the disk tier
+(--kv-offloading-size, a fresh folder), "tier cpu" from the host-memory tier (--backends).
+Reported per mode: TTFT p50/p90 over rounds 2.. (round 1 is cold in all), prompt tokens
+computed, tier hits, bytes each way, wall time and requests/s, with tier/recompute ratios, and
+how many answers each tier agrees on with recompute.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def conversations(args, vocab: int) -> list[list[int]]:
     ]
 
 
-def run_mode(args, tier_dir: str | None) -> dict:
+def run_mode(args, tier_dir: str | None, backend: str | None = None) -> dict:
     kw = dict(kv_offloading_size=args.tier_gib, kv_offloading_dir=tier_dir) if tier_dir else {}
+    if backend is not None:
+        kw["kv_offloading_backend"] = backend
     probe = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_gpu_blocks_override=1))
     bs = probe.config.block_size
     vocab = min(probe.vocab_size, 30000)
@@ -45,7 +48,7 @@ def run_mode(args, tier_dir: str | None) -> dict:
     working_set = args.users * (
         args.context_tokens + args.rounds * (args.turn_tokens + args.max_tokens)
     )
-    num_blocks = max(working_set // bs // args.pool_ratio, (args.context_tokens * 3 // 2) // bs)
+    num_blocks = int(max(working_set // bs / args.pool_ratio, (args.context_tokens * 3 // 2) // bs))
     engine = LLMEngine(
         EngineConfig(model=args.model, dtype=args.dtype, num_gpu_blocks_override=num_blocks, **kw)
     )
@@ -170,6 +173,12 @@ def main() -> None:
     p.add_argument("--workload", choices=("chat", "preempt", "swap-cost"), default="chat")
     p.add_argument("--swap-min-tokens", type=int, default=None,
                    help="preempt: the swap mode's threshold (default SWAP_MIN_TOKENS)")  # fmt: skip
+    p.add_argument(
+        "--backends",
+        default="disk,cpu",
+        help="chat: the tiers run against recompute, comma-separated --kv-offloading-backend "
+        "values (disk: files; cpu: host memory)",
+    )
     p.add_argument("--preempt-tokens", type=int, default=64, help="preempt: tokens per request")
     args = p.parse_args()
     if args.workload == "swap-cost":
@@ -183,8 +192,11 @@ def main() -> None:
             args.swap_min_tokens = SWAP_MIN_TOKENS
         return main_preempt(args)
     recompute = run_mode(args, None)
-    with tempfile.TemporaryDirectory() as d:
-        tier = run_mode(args, d)
+    rows = [("recompute", recompute)]
+    for backend in args.backends.split(","):
+        with tempfile.TemporaryDirectory() as d:
+            rows.append((f"tier {backend}", run_mode(args, d, backend)))
+    tier = rows[1][1]
     print(
         f"pool {tier['blocks']} blocks, prefix working set ~{tier['working_set_blocks']} blocks "
         f"({tier['working_set_blocks'] / tier['blocks']:.1f}x); {args.users} users x "
@@ -193,20 +205,21 @@ def main() -> None:
     print("| mode | TTFT p50 s | TTFT p90 s | prompt tokens computed | tier hit tokens "
           "| MiB stored | MiB loaded | wall s | req/s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, r in (("recompute", recompute), ("tier", tier)):
+    for name, r in rows:
         print(
             f"| {name} | {r['p50']:.3f} | {r['p90']:.3f} | {r['prefill']} | {r['hits']} "
             f"| {r['stored'] / 2**20:.1f} | {r['loaded'] / 2**20:.1f} | {r['wall']:.1f} "
             f"| {r['req_s']:.2f} |"
         )
-    print(
-        f"tier/recompute: TTFT p50 x{tier['p50'] / recompute['p50']:.2f}, "
-        f"p90 x{tier['p90'] / recompute['p90']:.2f}, prompt tokens "
-        f"x{tier['prefill'] / recompute['prefill']:.2f}, req/s "
-        f"x{tier['req_s'] / recompute['req_s']:.2f}; answers equal "
-        f"{sum(a == b for a, b in zip(tier['answers'], recompute['answers']))}"
-        f"/{len(tier['answers'])}"
-    )
+    for name, tier in rows[1:]:
+        print(
+            f"{name}/recompute: TTFT p50 x{tier['p50'] / recompute['p50']:.2f}, "
+            f"p90 x{tier['p90'] / recompute['p90']:.2f}, prompt tokens "
+            f"x{tier['prefill'] / recompute['prefill']:.2f}, req/s "
+            f"x{tier['req_s'] / recompute['req_s']:.2f}; answers equal "
+            f"{sum(a == b for a, b in zip(tier['answers'], recompute['answers']))}"
+            f"/{len(tier['answers'])}"
+        )
 
 
 if __name__ == "__main__":

@@ -86,7 +86,8 @@ class EngineConfig:
     # (engine/pooling_llm.py, engine/runner/pooling_hook.py); set by its builder, uni only
     runner: str = "generate"
     # the second KV tier for the prefix cache (engine/kv_offload/): vLLM's --kv-offloading-size
-    # (GiB; None: off) and --kv-offloading-backend (native = disk on CPU, or disk); the folder
+    # (GiB; None: off) and --kv-offloading-backend (native: host memory under a GPU pool, disk
+    # on CPU; disk; cpu: host memory wherever the pool is); the folder
     # its files persist in (None: ~/.cache/pagedserve/kv_tier)
     kv_offloading_size: float | None = None
     kv_offloading_backend: str | None = None
@@ -125,8 +126,8 @@ class EngineConfig:
                 "kv_offloading_backend lmcache is not available: LMCache's wheels need CUDA "
                 "(libcudart, cupy) and numpy<=2.2.6; use native"
             )
-        if backend not in (None, "native", "disk"):
-            raise ValueError(f"kv_offloading_backend must be native or disk, not {backend!r}")
+        if backend not in (None, "native", "disk", "cpu"):
+            raise ValueError(f"kv_offloading_backend must be native, disk or cpu, not {backend!r}")
 
     def _check_lora(self) -> None:
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))

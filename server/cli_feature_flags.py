@@ -180,14 +180,15 @@ def add_kv_offloading_args(p) -> None:
         "--kv-offloading-size",
         type=float,
         help="GiB of a second KV tier that keeps prefix-cache blocks evicted from the pool and "
-        "loads them back on a hit instead of recomputing them (on CPU: files on local disk, "
-        "kept across restarts); default off",
+        "loads them back on a hit instead of recomputing them (host memory under a GPU pool; "
+        "on CPU: files on local disk, kept across restarts); default off",
     )
     p.add_argument(
         "--kv-offloading-backend",
-        choices=("native", "disk", "lmcache"),
-        help="the tier's backend: native (default; disk files on CPU) or disk; lmcache is "
-        "refused (its wheels need CUDA)",
+        choices=("native", "disk", "cpu", "lmcache"),
+        help="the tier's backend: native (vLLM's default: host memory when the pool is on a "
+        "GPU, disk files on CPU), disk (files, persistent) or cpu (ours: host memory, not "
+        "persistent, wherever the pool is); vLLM's lmcache is refused (its wheels need CUDA)",
     )
     p.add_argument(
         "--kv-offloading-dir",

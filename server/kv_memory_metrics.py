@@ -44,7 +44,7 @@ class KVMemoryCollector:
                          store.bytes_stored_total),
             self._family(c, V + "kv_offload_load_bytes", "KV bytes read back from the tier.",
                          store.bytes_loaded_total),
-            self._family(g, P + "kv_tier_usage_bytes", "Bytes the KV tier's files hold.",
+            self._family(g, P + "kv_tier_usage_bytes", "Bytes the KV tier holds.",
                          store.usage_bytes),
             self._family(g, P + "kv_tier_capacity_bytes", "The KV tier's bound in bytes.",
                          store.capacity_bytes),

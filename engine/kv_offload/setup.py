@@ -1,8 +1,10 @@
 """Wires the second KV tier into an engine: the disk store, the runner's hook, the scheduler's
 KVTier, and the flush of the pool's cached blocks at shutdown (so a restart finds them).
 
---kv-offloading-size GiB turns it on; --kv-offloading-backend native (the default) or disk: on
-CPU, where the pool already is host memory, the tier is files under --kv-offloading-dir.
+--kv-offloading-size GiB turns it on. --kv-offloading-backend native (vLLM's default): host
+memory (engine/kv_offload/host_store.py) when the pool is on a GPU; on CPU, where the pool
+already is host memory, files under --kv-offloading-dir. disk / cpu choose the files / host
+memory wherever the pool is.
 """
 
 from __future__ import annotations
@@ -76,8 +78,14 @@ class KVOffload:
 
     def shutdown(self) -> None:
         """Write every block still cached in the pool, then finish the queued writes."""
-        self.hook.store_blocks(self.tier.cached_blocks())
+        if getattr(self.store, "persistent", True):  # a host-memory tier dies with the process
+            self.hook.store_blocks(self.tier.cached_blocks())
         self.store.close()
+
+
+def uses_host_memory(backend: str | None, device_type: str) -> bool:
+    """Whether the tier is host memory: cpu, or native (the default) with the pool on a GPU."""
+    return backend == "cpu" or (backend in (None, "native") and device_type != "cpu")
 
 
 def attach_kv_offload(engine, store_cls=DiskKVStore) -> KVOffload | None:
@@ -87,10 +95,14 @@ def attach_kv_offload(engine, store_cls=DiskKVStore) -> KVOffload | None:
         return None
     directory = Path(cfg.kv_offloading_dir) if cfg.kv_offloading_dir else default_dir()
     if getattr(engine.executor, "runner", None) is None:  # worker processes (mp executor)
+        if cfg.kv_offloading_backend == "cpu":
+            raise ValueError("kv_offloading_backend cpu needs one process (tensor parallel: disk)")
         from engine.kv_offload.tp_index import attach_ranked_kv_offload
 
         return attach_ranked_kv_offload(engine, directory)
     runner = engine.executor.runner
+    if store_cls is DiskKVStore and uses_host_memory(cfg.kv_offloading_backend, runner.device.type):
+        return _attach_host(engine, runner)
     fp = runner_fingerprint(cfg, engine.model_dir, runner)
     store = store_cls(directory, int(cfg.kv_offloading_size * 2**30), fp)
     hook = KVOffloadHook(runner.kv_caches, store)
@@ -107,3 +119,25 @@ def attach_kv_offload(engine, store_cls=DiskKVStore) -> KVOffload | None:
         hook.block_bytes // 1024,
     )
     return KVOffload(store, hook, tier)
+
+
+def _attach_host(engine, runner) -> KVOffload:
+    """The host-memory tier: one object is the store and the runner's hook."""
+    from engine.kv_offload.host_store import HostKVStore
+
+    size = engine.config.kv_offloading_size
+    store = HostKVStore(runner.kv_caches, int(size * 2**30))
+    manager = engine.scheduler.kv_cache_manager
+    tier = KVTier(manager, store)
+    manager.tier = tier
+    engine.scheduler.kv_tier = tier
+    runner.kv_offload = store
+    tier.swap = engine.scheduler.kv_swap = KVSwap(manager, store, store.block_bytes)
+    logger.info(
+        "KV tier: %.2f GiB of host memory%s (%d blocks of %d KiB)",
+        size,
+        ", pinned" if store.cuda else "",
+        store.capacity_blocks,
+        store.block_bytes // 1024,
+    )
+    return KVOffload(store, store, tier)
