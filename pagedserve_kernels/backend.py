@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve_kernels.encoder_attention import sdpa_segments
+
 
 @dataclass
 class AttentionMetadata:
@@ -83,6 +85,22 @@ class AttentionBackend:
         (Gemma 2's attn_logit_softcapping). Every backend here declares both
         (supports_sliding_window, supports_softcap)."""
         raise NotImplementedError
+
+    def encoder_attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], segments back to back
+        key: torch.Tensor,
+        value: torch.Tensor,
+        seq_lens: list[int],  # each segment's length; they sum to num_tokens
+        scale: float | None = None,  # None: head_dim ** -0.5
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Non-causal attention within each segment, no KV cache (vision towers, BERT). mask:
+        an SDPA attn_mask (bool, True = attend, or additive) broadcastable to [num_segments,
+        num_heads, L, L], for segments all of one length L (a padded batch). The default is
+        torch SDPA, one batched call per run of equal lengths (encoder_attention.py); backends
+        with a faster varlen kernel override it and fall back here for what it does not cover."""
+        return sdpa_segments(query, key, value, seq_lens, scale, mask)
 
     def cascade_plan(
         self, num_heads, dtype, k_cache, block_table, seq_lens, shared_blocks: int,

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve_kernels.backend import AttentionBackend, AttentionMetadata
+from pagedserve_kernels.encoder_attention import cu_seqlens
 from pagedserve_kernels.reference import write_kv_by_slot
 
 FA2_BLOCK_SIZE_MULTIPLE = 256
@@ -77,6 +78,18 @@ class FlashAttentionBackend(AttentionBackend):
         if meta.is_decode_only:
             return self._decode_fa2(query, k_cache, v_cache, meta, scale, extra)
         return self._prefill_fa2(query, k_cache, v_cache, meta, scale, extra)
+
+    def encoder_attention(self, query, key, value, seq_lens, scale=None, mask=None):
+        """flash-attn's varlen over the packed segments, causal=False (no block table: K/V are
+        the segments' own); a mask (BERT's padding) or float32 goes to torch SDPA."""
+        if mask is not None or query.dtype not in (torch.float16, torch.bfloat16):
+            return super().encoder_attention(query, key, value, seq_lens, scale, mask)
+        cu = cu_seqlens(seq_lens, query.device)
+        longest = max(seq_lens)
+        out = self.fa.flash_attn_varlen_func(
+            query, key, value, cu, cu, longest, longest, softmax_scale=scale, causal=False
+        )
+        return out[0] if isinstance(out, tuple) else out  # some FA3 builds return (out, lse)
 
     def _decode_fa2(self, query, k_cache, v_cache, meta: AttentionMetadata, scale, extra):
         out = self.fa.flash_attn_with_kvcache(

@@ -90,13 +90,15 @@ def flash_attn_varlen_func(
     return_attn_probs=False,
     block_table=None,
 ):
-    """q [total_q, H, D]; with block_table, k/v are [num_blocks, page_block_size, Hk, D]."""
+    """q [total_q, H, D]; with block_table, k/v are [num_blocks, page_block_size, Hk, D],
+    without it [total_k, Hk, D] packed like q (the encoder form)."""
     calls.append("flash_attn_varlen_func")
-    assert block_table is not None, "this stand-in only models the paged-KV form"
     assert dropout_p == 0.0 and alibi_slopes is None
     window_size = tuple(window_size)
-    _check_paged(k, v, block_table)
     assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+    if block_table is None:
+        return _varlen_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+    _check_paged(k, v, block_table)
     batch = cu_seqlens_q.numel() - 1
     assert cu_seqlens_k.numel() == batch + 1 and block_table.shape[0] == batch
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -109,6 +111,17 @@ def flash_attn_varlen_func(
         kb = _paged_kv(k, block_table[b], seqlen_k, lo)
         vb = _paged_kv(v, block_table[b], seqlen_k, lo)
         out[q0:q1] = _attend(q[q0:q1], kb, vb, scale, causal, window_size, softcap, seqlen_k, lo)
+    return out
+
+
+def _varlen_packed(q, k, v, cu_q, cu_k, softmax_scale, causal):
+    assert q.dtype in (torch.float16, torch.bfloat16), "FlashAttention only support fp16 and bf16"
+    assert k.shape[0] == int(cu_k[-1]) and q.shape[0] == int(cu_q[-1])
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = torch.empty_like(q)
+    for b in range(cu_q.numel() - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        out[q0:q1] = _attend(q[q0:q1], k[k0:k1], v[k0:k1], scale, causal, (-1, -1), 0.0, k1 - k0)
     return out
 
 

@@ -1,6 +1,7 @@
 """BERT-family bidirectional encoder (all-MiniLM-L6-v2 and its kin) for the pooling runner.
 
-Runs a padded batch [B, L] with a key mask through torch SDPA (no KV cache: an encoder reads
+Runs a padded batch [B, L] with a key mask through the attention backend's encoder_attention
+(SDPA by default; no KV cache: an encoder reads
 each input once). Module names follow Hugging Face's BertModel (embeddings.*, encoder.layer[i]
 .attention.self.query / .attention.output.dense / .intermediate.dense / .output.dense) so its
 checkpoints load as they are; numerics follow its eager path op for op.
@@ -11,6 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.models.vision_tower import encoder_backend
+from pagedserve_kernels.backend import AttentionBackend
 
 
 class BertEmbeddings(nn.Module):
@@ -28,8 +32,9 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, backend: AttentionBackend | None = None) -> None:
         super().__init__()
+        self.backend = encoder_backend(backend)
         self.num_heads = cfg.num_attention_heads
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.query = nn.Linear(cfg.hidden_size, cfg.hidden_size)
@@ -39,11 +44,11 @@ class BertSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         b, length, _ = x.shape
         q, k, v = (
-            proj(x).view(b, length, self.num_heads, self.head_dim).transpose(1, 2)
+            proj(x).view(b * length, self.num_heads, self.head_dim)
             for proj in (self.query, self.key, self.value)
         )
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, L, D]
-        return out.transpose(1, 2).reshape(b, length, -1)
+        out = self.backend.encoder_attention(q, k, v, [length] * b, mask=mask)  # [B*L, H, D]
+        return out.reshape(b, length, -1)
 
 
 class BertSublayerOutput(nn.Module):
@@ -59,9 +64,9 @@ class BertSublayerOutput(nn.Module):
 
 
 class BertAttention(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, backend: AttentionBackend | None = None) -> None:
         super().__init__()
-        self.self = BertSelfAttention(cfg)
+        self.self = BertSelfAttention(cfg, backend)
         self.output = BertSublayerOutput(cfg, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -80,9 +85,9 @@ class BertIntermediate(nn.Module):
 
 
 class BertLayer(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, backend: AttentionBackend | None = None) -> None:
         super().__init__()
-        self.attention = BertAttention(cfg)
+        self.attention = BertAttention(cfg, backend)
         self.intermediate = BertIntermediate(cfg)
         self.output = BertSublayerOutput(cfg, cfg.intermediate_size)
 
@@ -92,9 +97,10 @@ class BertLayer(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, backend: AttentionBackend | None = None) -> None:
         super().__init__()
-        self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        n = cfg.num_hidden_layers
+        self.layer = nn.ModuleList(BertLayer(cfg, backend) for _ in range(n))
 
 
 class BertModel(nn.Module):
@@ -103,13 +109,13 @@ class BertModel(nn.Module):
 
     is_encoder = True
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = cfg
         if getattr(cfg, "position_embedding_type", "absolute") != "absolute":
             raise ValueError("BERT with relative position embeddings is not supported")
         self.embeddings = BertEmbeddings(cfg)
-        self.encoder = BertEncoder(cfg)
+        self.encoder = BertEncoder(cfg, backend)
 
     def forward(
         self, input_ids: torch.Tensor, lengths: torch.Tensor, token_type_ids=None
@@ -150,10 +156,10 @@ class BertForSequenceClassification(nn.Module):
 
     is_encoder = True
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.bert = BertModel(cfg)
+        self.bert = BertModel(cfg, backend)
         self.bert.pooler = BertPooler(cfg)
         self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels)
 

@@ -30,8 +30,8 @@ _UNUSED = ("vision_tower.head.", "vision_tower.embeddings.position_ids")
 class Gemma3VisionTower(VisionTower):
     """SigLIP: the encoder's last hidden state through post_layernorm (last_hidden_state)."""
 
-    def __init__(self, cfg) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg, backend=None) -> None:
+        super().__init__(cfg, backend)
         self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [N, P, D]
@@ -67,7 +67,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     def __init__(self, cfg, backend) -> None:
         super().__init__(cfg.get_text_config(), backend)
         self.vl_config = cfg
-        self.vision_tower = Gemma3VisionTower(cfg.vision_config)
+        self.vision_tower = Gemma3VisionTower(cfg.vision_config, backend)
         self.multi_modal_projector = Gemma3Projector(cfg)
         self.image_token_id = cfg.image_token_id
         self.step_images = StepImages()

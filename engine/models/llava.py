@@ -70,7 +70,7 @@ class LlavaMixin:
         super().__init__(cfg.get_text_config(), backend)
         self.vl_config = cfg
         vcfg = cfg.vision_config
-        self.vision_tower = VisionTower(vcfg)
+        self.vision_tower = VisionTower(vcfg, backend)
         self.feature_layers = _feature_layers(cfg)
         self.drop_first = cfg.vision_feature_select_strategy == "default"
         in_features = vcfg.hidden_size * len(self.feature_layers)

@@ -39,7 +39,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         self.vl_config = cfg
         section = rope_parameters(text).get("mrope_section")
         self.rotary = MRotaryEmbedding(head_dim_of(text), rope_theta(text), section)
-        self.visual = Qwen2_5_VisionTower(cfg.vision_config)
+        self.visual = Qwen2_5_VisionTower(cfg.vision_config, backend)
         self.spatial_merge = cfg.vision_config.spatial_merge_size
         self.image_token_id = cfg.image_token_id
         self.tie_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))

@@ -4,23 +4,24 @@ window-attention and full-attention blocks, and the 2x2 patch merger.
 Input: the image processor's flattened patches [sum of t*h*w, C*T*P*P] (merge-block-major: the
 m*m patches of one merged token are consecutive) and each image's grid (t, h, w) in patches.
 The merged tokens are reordered window by window (windows of window_size pixels); window layers
-attend within a window, the fullatt_block_indexes layers within an image (torch SDPA,
-non-causal, one batched call per run of equal-length segments); the merger's output goes back
-to raster order. Module names follow transformers' (visual.blocks[i].attn.qkv, ...) so weights
-load as they are; the patch embedding's Conv3d weight loads into an equivalent Linear.
+attend within a window, the fullatt_block_indexes layers within an image (the attention
+backend's non-causal encoder_attention; SDPA batches each run of equal-length segments); the
+merger's output goes back to raster order. Module names follow transformers'
+(visual.blocks[i].attn.qkv, ...) so weights load as they are; the patch embedding's Conv3d
+weight loads into an equivalent Linear.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import Linear, RMSNorm
 from engine.layers.base import KernelLayer
 from engine.layers.rotary import CpuRope, NativeRope
-from engine.models.vision_tower import activation
+from engine.models.vision_tower import activation, encoder_backend
+from pagedserve_kernels.backend import AttentionBackend
 
 
 def merged_grid(grid_thw, merge: int) -> tuple[int, int, int]:
@@ -85,9 +86,10 @@ class VisionNativeRope(NativeRope):
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         d = cfg.hidden_size
+        self.backend = encoder_backend(backend)
         self.num_heads = cfg.num_heads
         self.head_dim = d // self.num_heads
         self.qkv = Linear(d, 3 * d, bias=True)
@@ -97,29 +99,8 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = rope.rotate(q, k)
-        out = torch.empty_like(q)
-        start = 0
-        for length, count in _runs(lengths):  # segments of one length: one batched call
-            span = slice(start, start + length * count)
-            qs, ks, vs = (
-                t[span].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
-                for t in (q, k, v)
-            )
-            o = F.scaled_dot_product_attention(qs, ks, vs, scale=self.head_dim**-0.5)
-            out[span] = o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
-            start += length * count
-        return self.proj(out.view(n, -1))
-
-
-def _runs(lengths: list[int]):
-    """(length, how many in a row) for consecutive equal lengths."""
-    runs: list[list[int]] = []
-    for length in lengths:
-        if runs and runs[-1][0] == length:
-            runs[-1][1] += 1
-        else:
-            runs.append([length, 1])
-    return runs
+        out = self.backend.encoder_attention(q, k, v, lengths, self.head_dim**-0.5)
+        return self.proj(out.reshape(n, -1))
 
 
 class VisionMLP(nn.Module):
@@ -135,11 +116,11 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.norm1 = RMSNorm(cfg.hidden_size, 1e-6)
         self.norm2 = RMSNorm(cfg.hidden_size, 1e-6)
-        self.attn = VisionAttention(cfg)
+        self.attn = VisionAttention(cfg, backend)
         self.mlp = VisionMLP(cfg)
 
     def forward(self, x: torch.Tensor, rope, lengths: list[int]) -> torch.Tensor:
@@ -179,7 +160,7 @@ class PatchEmbed(nn.Module):
 
 
 class Qwen2_5_VisionTower(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.merge = cfg.spatial_merge_size
@@ -189,7 +170,7 @@ class Qwen2_5_VisionTower(nn.Module):
         theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
         self.patch_embed = PatchEmbed(cfg)
         self.rotary_pos_emb = VisionRotary(head_dim, theta)
-        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(VisionBlock(cfg, backend) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:

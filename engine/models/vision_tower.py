@@ -1,10 +1,11 @@
 """CLIP and SigLIP vision towers (the image encoders of LLaVA-style models), from our layers.
 
 Images of one size run as one batch [N, 3, H, W] -> per-layer hidden states [N, P, D]; the
-attention is bidirectional over an image's patches (torch SDPA, no KV cache: an image's
-embedding is computed once and kept in the encoder cache, engine/multimodal/). Module and
-parameter names follow Hugging Face's CLIPVisionTransformer / SiglipVisionTransformer
-(embeddings.patch_embedding, encoder.layers[i].self_attn.q_proj, ...), so weights load as is.
+attention is bidirectional over an image's patches (the backend's encoder_attention, SDPA by
+default; no KV cache: an image's embedding is computed once and kept in the encoder cache,
+engine/multimodal/). Module and parameter names follow Hugging Face's CLIPVisionTransformer /
+SiglipVisionTransformer (embeddings.patch_embedding, encoder.layers[i].self_attn.q_proj, ...),
+so weights load as is.
 Numerics follow transformers op for op (float32 greedy parity in tests/test_multimodal.py).
 """
 
@@ -15,6 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import Linear
+from pagedserve_kernels.backend import AttentionBackend
+
+_SDPA = AttentionBackend()  # the seam's default encoder_attention: torch SDPA
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -29,6 +33,11 @@ _ACTIVATIONS = {
 def rows(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A Linear over [..., in] as one [rows, in] GEMM (the packed CPU linears take 2-D input)."""
     return linear(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
+
+def encoder_backend(backend: AttentionBackend | None) -> AttentionBackend:
+    """The backend whose encoder_attention a tower runs: the model's, else plain SDPA."""
+    return _SDPA if backend is None else backend
 
 
 def activation(name: str):
@@ -68,9 +77,10 @@ class VisionEmbeddings(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         d = cfg.hidden_size
+        self.backend = encoder_backend(backend)
         self.num_heads = cfg.num_attention_heads
         self.head_dim = d // self.num_heads
         self.scale = self.head_dim**-0.5
@@ -80,11 +90,11 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, P, D], bidirectional
         n, p, _ = x.shape
         q, k, v = (
-            rows(proj, x).view(n, p, self.num_heads, self.head_dim).transpose(1, 2)
+            rows(proj, x).view(n * p, self.num_heads, self.head_dim)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
-        out = F.scaled_dot_product_attention(q, k, v, scale=self.scale)  # [N, H, P, Dh]
-        return rows(self.out_proj, out.transpose(1, 2).reshape(n, p, -1))
+        out = self.backend.encoder_attention(q, k, v, [p] * n, self.scale)  # [N*P, H, Dh]
+        return rows(self.out_proj, out.reshape(n, p, -1))
 
 
 class VisionMLP(nn.Module):
@@ -99,11 +109,11 @@ class VisionMLP(nn.Module):
 
 
 class VisionEncoderLayer(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         eps = cfg.layer_norm_eps
         self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=eps)
-        self.self_attn = VisionAttention(cfg)
+        self.self_attn = VisionAttention(cfg, backend)
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=eps)
         self.mlp = VisionMLP(cfg)
 
@@ -113,22 +123,23 @@ class VisionEncoderLayer(nn.Module):
 
 
 class VisionEncoder(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, backend: AttentionBackend | None = None) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(VisionEncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        n = cfg.num_hidden_layers
+        self.layers = nn.ModuleList(VisionEncoderLayer(cfg, backend) for _ in range(n))
 
 
 class VisionTower(nn.Module):
     """CLIP (class token, pre-layernorm, quick_gelu) or SigLIP (neither, conv bias)."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.is_clip = "siglip" not in getattr(cfg, "model_type", "clip_vision_model")
         self.embeddings = VisionEmbeddings(cfg, has_class_token=self.is_clip)
         if self.is_clip:  # HF's spelling
             self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.encoder = VisionEncoder(cfg)
+        self.encoder = VisionEncoder(cfg, backend)
 
     @property
     def num_positions(self) -> int:
