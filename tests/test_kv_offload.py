@@ -242,7 +242,7 @@ def test_a_slow_disk_never_stalls_the_step_loop(tiny_model_dir, tmp_path, prompt
     slowest = _step_until(engine, done, lambda: "other" in done.get("finished", ()))
     assert "tier" in tier.loading and "tier" not in done  # its loads hang on the disk
     assert done["other"] == hf_greedy(tiny_model_dir, [prompts[3][:12]], MAX_NEW)[0]
-    assert slowest < 1.0  # no step waited on the disk
+    assert slowest < 10.0  # a step that waited on the held-back disk would take 30 s
     GatedDisk.gate.set()
     _step_until(engine, done, lambda: "tier" in done.get("finished", ()))
     assert [done["tier"]] == ref and tier.hit_tokens_total > 0

@@ -202,7 +202,7 @@ def test_loads_never_stall_the_loop_and_an_abort_leaks_nothing(
     slowest = _step_until(engine, done, lambda: "other" in done.get("finished", ()))
     assert "tier" in tier.loading and "tier" not in done  # its copies are held back
     assert done["other"] == hf_greedy(tiny_model_dir, [prompts[3][:12]], MAX_NEW)[0]
-    assert slowest < 1.0
+    assert slowest < 10.0  # a step that waited on the held-back disk would take 30 s
     gate.set()
     _step_until(engine, done, lambda: "tier" in done.get("finished", ()))
     assert [done["tier"]] == ref and tier.hit_tokens_total > 0
