@@ -83,7 +83,8 @@ def qwen2_5_vl_config(mm: MmprojFile, text_config: dict[str, Any], token_ids: li
     if text_config.get("rope_scaling"):
         raise ValueError(f"--mmproj {mm.path.name}: M-RoPE with rope scaling is not supported")
     vision = vision_config(mm)
-    hidden, width = text_config["hidden_size"], vision["hidden_size"] * vision["spatial_merge_size"] ** 2
+    hidden = text_config["hidden_size"]
+    width = vision["hidden_size"] * vision["spatial_merge_size"] ** 2
     got = mm.tensors["mm.0.weight"].shape[1], vision["out_hidden_size"]
     if got != (width, hidden):
         raise ValueError(
@@ -142,7 +143,8 @@ def hf_tensors(mm: MmprojFile) -> dict[str, Any]:
             f"--mmproj {mm.path.name}: {PATCH} and {PATCH_1} (the Conv3d's two temporal taps) "
             "are both needed"
         )
-    out = {"visual.patch_embed.proj.weight": np.stack([tensors.pop(PATCH), tensors.pop(PATCH_1)], 2)}
+    taps = [tensors.pop(PATCH), tensors.pop(PATCH_1)]  # [D, C, P, P] each, at t = 0 and 1
+    out = {"visual.patch_embed.proj.weight": np.stack(taps, 2)}
     for layer in range(int(mm.need("block_count"))):
         for kind in ("weight", "bias"):
             parts = [tensors.pop(f"v.blk.{layer}.attn_{p}.{kind}", None) for p in "qkv"]
