@@ -205,3 +205,42 @@ def test_refusals(files, tmp_path):
     write_gguf(src, plain, "qwen2vl", "Plain")
     with pytest.raises(ValueError, match=r"has no <\|vision_start\|> token"):
         resolve_model(str(plain), str(mmproj))
+
+
+def test_server_with_qwen_mmproj_answers_like_transformers(files):
+    """`pagedserve serve text.gguf --mmproj mmproj.gguf`, the official openai client with two
+    data: URLs: the reply's tokens are transformers' greedy continuation, and /v1/models says
+    the model takes images."""
+    import httpx
+    from conftest import ServerProcess
+    from openai import OpenAI
+    from test_multimodal import data_url, png_bytes, url_part
+
+    hf_dir, text, mmproj = files
+    server = ServerProcess(
+        str(text), "--mmproj", str(mmproj), "--dtype", "float32", "--served-model-name", "q"
+    )
+    images = [random_image(11, (112, 196)), random_image(12, (50, 90))]
+    try:
+        url = server.wait_ready().url
+        client = OpenAI(base_url=url + "/v1", api_key="x")
+        content = [url_part(data_url(png_bytes(image))) for image in images]
+        content.append({"type": "text", "text": "what?"})
+        reply = client.chat.completions.create(
+            model="q", messages=[{"role": "user", "content": content}], max_tokens=8,
+            temperature=0.0, logprobs=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        card = httpx.get(url + "/v1/models").json()["data"][0]
+    finally:
+        server.stop()
+    assert card["input_modalities"] == ["text", "image"]
+    engine = _engine(text, mmproj)
+    mm = engine.mm_processor
+    parts = "\n".join([mm.image_token] * 2 + ["what?"])
+    chat = f"<|im_start|>user\n{parts}<|im_end|>\n<|im_start|>assistant\n"
+    ids, inputs = mm.expand(engine.tokenizer.encode(chat), [mm.pixels(i, "image") for i in images])
+    assert reply.usage.prompt_tokens == len(ids)
+    want = hf_greedy(hf_dir, ids, inputs)
+    assert [t.token for t in reply.choices[0].logprobs.content] == [
+        engine.tokenizer.decode([t]) for t in want
+    ]
