@@ -244,3 +244,37 @@ def test_server_with_qwen_mmproj_answers_like_transformers(files):
     assert [t.token for t in reply.choices[0].logprobs.content] == [
         engine.tokenizer.decode([t]) for t in want
     ]
+
+
+def test_q8_text_gguf_plus_qwen_mmproj(files, tmp_path):
+    """The usual shipment: a quantized text GGUF beside the mmproj. float32 equals transformers'
+    Qwen2.5-VL on the same dequantized text weights; bf16 serves the text linears from the
+    packed Q8_0 blocks."""
+    import shutil
+
+    import gguf
+    from safetensors.numpy import load_file, save_file
+
+    hf_dir, _, mmproj = files
+    text = tmp_path / "q8.gguf"
+    write_gguf(
+        _text_folder(hf_dir, tmp_path / "q8-hf"), text, "qwen2vl", "Q8",
+        gguf.GGMLQuantizationType.Q8_0, tokenizer=_tokenizer(),
+    )  # fmt: skip
+    joined = resolve_model(str(text), str(mmproj))
+    ref = tmp_path / "ref"  # the Qwen2.5-VL with the text side's dequantized weights
+    shutil.copytree(hf_dir, ref)
+    state = load_file(str(ref / "model.safetensors"))
+    state = {n: w for n, w in state.items() if n.startswith(("visual.", "model.visual."))}
+    state |= load_file(str(joined / "model.safetensors"))  # model.layers.*, lm_head: classic
+    save_file(state, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    engine = _engine(text, mmproj)
+    prompt = image_prompt(engine, "q8", [random_image(6, (84, 140))])
+    assert generate(engine, {"q": prompt})["q"] == hf_greedy(ref, *prompt)
+    engine = _engine(text, mmproj, dtype="bfloat16")
+    packed = [
+        n for n, m in engine.runner.model.named_modules()
+        if getattr(m, "quantization", None) == "gguf"
+    ]  # fmt: skip
+    assert len(packed) == 2 * 4 + 1  # qkv, o, gate_up, down per text layer (fused), the head
+    assert len(generate(engine, {"b": image_prompt(engine, "q8", [random_image(6)])})["b"]) == 8
