@@ -383,7 +383,9 @@ def write_gemma3_mmproj(model_dir: Path, path: Path, **overrides) -> None:
 
 
 # ---- llama.cpp's mmproj file of a Qwen2.5-VL model --------------------------------------------
-def write_qwen2_5_vl_mmproj(model_dir: Path, path: Path, fused_qkv: bool = False, **overrides):
+def write_qwen2_5_vl_mmproj(
+    model_dir: Path, path: Path, fused_qkv: bool = False, drop: tuple = (), **overrides
+):
     """The image side of a transformers Qwen2_5_VLForConditionalGeneration folder as
     convert_hf_to_gguf.py --mmproj --outtype f32 writes it (Qwen2VLVisionModel): arch `clip`,
     projector type qwen2.5vl_merger, use_silu, n_wa_pattern = fullatt_block_indexes[0] + 1, the
@@ -391,7 +393,7 @@ def write_qwen2_5_vl_mmproj(model_dir: Path, path: Path, fused_qkv: bool = False
     config has none; qkv split into q, k, v (fused_qkv keeps attn_qkv as older files do); the
     Conv3d patch embedding split over its temporal taps into v.patch_embd.weight and
     v.patch_embd.weight.1; other names from gguf-py's MMPROJ map. overrides replace metadata
-    values (None: key left out)."""
+    values (None: key left out); drop names GGUF tensors to leave out."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
@@ -430,8 +432,9 @@ def write_qwen2_5_vl_mmproj(model_dir: Path, path: Path, fused_qkv: bool = False
         if not name.startswith("visual."):
             continue  # the text model: the text GGUF's
         if "patch_embed.proj.weight" in name:
-            w.add_tensor("v.patch_embd.weight", np.ascontiguousarray(weight[:, :, 0]))
-            w.add_tensor("v.patch_embd.weight.1", np.ascontiguousarray(weight[:, :, 1]))
+            for tap, target in enumerate(("v.patch_embd.weight", "v.patch_embd.weight.1")):
+                if target not in drop:
+                    w.add_tensor(target, np.ascontiguousarray(weight[:, :, tap]))
             continue
         stem, _, kind = name.rpartition(".")
         if ".qkv" in stem and not fused_qkv:

@@ -181,8 +181,8 @@ def test_fused_qkv_file_and_text_alone(files, tmp_path):
 
 
 def test_refusals(files, tmp_path):
-    """A missing window pattern or patch key, a merger for another width, a text GGUF without
-    M-RoPE sections, a vocabulary without Qwen's vision tokens."""
+    """A missing window pattern or patch key, a missing patch tap, a merger for another width,
+    a text GGUF without M-RoPE sections, a vocabulary without Qwen's vision tokens."""
     hf, text, mmproj = files
     cases = {
         "clip.vision.n_wa_pattern missing": {"clip.vision.n_wa_pattern": None},
@@ -196,6 +196,10 @@ def test_refusals(files, tmp_path):
         write_qwen2_5_vl_mmproj(hf, bad, **overrides)
         with pytest.raises(ValueError, match=message):
             resolve_model(str(text), str(bad))
+    tapless = tmp_path / "tapless.gguf"  # one temporal tap of the Conv3d only
+    write_qwen2_5_vl_mmproj(hf, tapless, drop=("v.patch_embd.weight.1",))
+    with pytest.raises(ValueError, match=r"v.patch_embd.weight.1 \(the Conv3d's two temporal"):
+        resolve_model(str(text), str(tapless))
     src = _text_folder(hf, tmp_path / "qwen2-hf")
     qwen2 = tmp_path / "qwen2.gguf"  # a plain qwen2 text GGUF: no M-RoPE sections
     write_gguf(src, qwen2, "qwen2", "Qwen2", tokenizer=_tokenizer())
