@@ -27,7 +27,7 @@ def add_gguf_args(p) -> None:
         metavar="PATH",
         help="llama.cpp's mmproj GGUF (vision tower + projector) for a .gguf text model, as "
         "llama-server --mmproj: the model then takes images (projector types mlp: LLaVA, "
-        "gemma3: Gemma 3) "
+        "gemma3: Gemma 3, qwen2.5vl_merger: Qwen2.5-VL) "
         "(default: none)",
     )
 

@@ -113,6 +113,9 @@ def write_gguf(
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], "float32"))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], "float32"))
+    if rope.get("mrope_section"):  # qwen2vl: [t, h, w] padded to 4, as the converter does
+        sections = list(rope["mrope_section"])
+        w.add_rope_dimension_sections((sections + [0] * 4)[:4])
     if arch == "qwen3moe":
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -377,3 +380,74 @@ def write_gemma3_mmproj(model_dir: Path, path: Path, **overrides) -> None:
             weight = weight.astype(np.float16)
         w.add_tensor(target, weight)
     write_file(w)
+
+
+# ---- llama.cpp's mmproj file of a Qwen2.5-VL model --------------------------------------------
+def write_qwen2_5_vl_mmproj(
+    model_dir: Path, path: Path, fused_qkv: bool = False, drop: tuple = (), **overrides
+):
+    """The image side of a transformers Qwen2_5_VLForConditionalGeneration folder as
+    convert_hf_to_gguf.py --mmproj --outtype f32 writes it (Qwen2VLVisionModel): arch `clip`,
+    projector type qwen2.5vl_merger, use_silu, n_wa_pattern = fullatt_block_indexes[0] + 1, the
+    layer norm eps from the top-level rms_norm_eps (1e-6 when absent), image_size 560 when the
+    config has none; qkv split into q, k, v (fused_qkv keeps attn_qkv as older files do); the
+    Conv3d patch embedding split over its temporal taps into v.patch_embd.weight and
+    v.patch_embd.weight.1; other names from gguf-py's MMPROJ map. overrides replace metadata
+    values (None: key left out); drop names GGUF tensors to leave out."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig, AutoImageProcessor
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    vcfg, text = cfg.vision_config, cfg.get_text_config()
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    full = list(vcfg.fullatt_block_indexes)
+    keys = {
+        "general.type": "mmproj",
+        "general.file_type": 0,
+        "general.name": "tiny-qwen2.5-vl",
+        "clip.has_vision_encoder": True,
+        "clip.vision.projection_dim": text.hidden_size,
+        "clip.vision.image_size": getattr(vcfg, "image_size", None) or 560,
+        "clip.vision.patch_size": vcfg.patch_size,
+        "clip.vision.embedding_length": vcfg.hidden_size,
+        "clip.vision.feed_forward_length": vcfg.intermediate_size,
+        "clip.vision.block_count": vcfg.depth,
+        "clip.vision.attention.head_count": vcfg.num_heads,
+        "clip.vision.image_mean": [float(x) for x in processor.image_mean],
+        "clip.vision.image_std": [float(x) for x in processor.image_std],
+        "clip.projector_type": "qwen2.5vl_merger",
+        "clip.use_silu": True,
+        "clip.vision.n_wa_pattern": full[0] + 1,
+        "clip.vision.attention.layer_norm_epsilon": float(cfg.to_dict().get("rms_norm_eps", 1e-6)),
+    }
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vcfg.depth)
+    w = gguf.GGUFWriter(str(path), "clip")
+    for key, value in (keys | overrides).items():
+        if value is not None:
+            _add_key(w, key, value)
+    for hf_name, weight in load_file(str(model_dir / "model.safetensors")).items():
+        name = hf_name.removeprefix("model.")
+        if not name.startswith("visual."):
+            continue  # the text model: the text GGUF's
+        if "patch_embed.proj.weight" in name:
+            for tap, target in enumerate(("v.patch_embd.weight", "v.patch_embd.weight.1")):
+                if target not in drop:
+                    w.add_tensor(target, np.ascontiguousarray(weight[:, :, tap]))
+            continue
+        stem, _, kind = name.rpartition(".")
+        if ".qkv" in stem and not fused_qkv:
+            for part, chunk in zip("qkv", _split3(weight)):
+                target = names.get_name(stem.replace("qkv", part))
+                w.add_tensor(f"{target}.{kind}", np.ascontiguousarray(chunk))
+            continue
+        if names.get_name(stem) is None:
+            raise ValueError(f"no mmproj GGUF name for tensor {hf_name!r}")
+        w.add_tensor(f"{names.get_name(stem)}.{kind}", weight)
+    write_file(w)
+
+
+def _split3(weight):
+    c = weight.shape[0] // 3
+    return weight[:c], weight[c : 2 * c], weight[2 * c :]

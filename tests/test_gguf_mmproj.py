@@ -155,8 +155,8 @@ def test_joined_folder_is_made_once_and_reused(files):
 def test_mmproj_of_another_projector_type_is_refused(files, tmp_path):
     llava, text, _ = files
     bad = tmp_path / "qwen.gguf"
-    write_llava_mmproj(llava, bad, **{"clip.projector_type": "qwen2.5vl_merger"})
-    with pytest.raises(ValueError, match=r"projector type 'qwen2.5vl_merger'.*supported: mlp"):
+    write_llava_mmproj(llava, bad, **{"clip.projector_type": "qwen2vl_merger"})
+    with pytest.raises(ValueError, match=r"projector type 'qwen2vl_merger'.*supported: mlp"):
         resolve_model(str(text), str(bad))
 
 

@@ -203,6 +203,22 @@ def _qwen2_config(meta: Meta, tensors: dict[str, Any], extras: dict[str, Any]) -
     return _with_rope(config, _metadata_rope_scaling(meta))
 
 
+def _qwen2vl_config(meta: Meta, tensors: dict[str, Any], extras: dict[str, Any]) -> dict:
+    """llama.cpp's `qwen2vl`: the text side of Qwen2-VL / Qwen2.5-VL, M-RoPE sections in
+    rope.dimension_sections ([t, h, w, 0]). Alone it serves as Qwen2 (text positions are equal on
+    all three axes, where M-RoPE is plain RoPE); with a Qwen-VL mmproj the sections go into the
+    joined model's text_config (engine/gguf/mmproj_qwen2_5_vl.py)."""
+    config = _qwen2_config(meta, tensors, extras)
+    sections = [int(s) for s in meta.arch("rope.dimension_sections") or []]
+    if sum(sections) != config["head_dim"] // 2:
+        raise ValueError(
+            f"GGUF key qwen2vl.rope.dimension_sections {sections} does not split the "
+            f"{config['head_dim'] // 2} rotary frequencies of a {config['head_dim']}-wide head"
+        )
+    config["mrope_section"] = sections[:3]
+    return config
+
+
 def _qwen3_config(meta: Meta, tensors: dict[str, Any], extras: dict[str, Any]) -> dict:
     config = _base_config(meta, tensors, "Qwen3ForCausalLM", "qwen3")
     config.update(
@@ -327,6 +343,7 @@ def _gemma3_config(meta: Meta, tensors: dict[str, Any], extras: dict[str, Any]) 
 FAMILIES: dict[str, Family] = {
     "llama": Family(_llama_config, permute_rotary=True),
     "qwen2": Family(_qwen2_config),
+    "qwen2vl": Family(_qwen2vl_config),
     "qwen3": Family(_qwen3_config),
     "qwen3moe": Family(_qwen3moe_config),
     "phi3": Family(_phi3_config, layer_names=_PHI3_LAYER_NAMES),

@@ -16,7 +16,8 @@ converter drops the rest), so the feature layer is counted in the stored tower.
 
 Projector types served: `mlp` (LLaVA 1.5 style: CLIP or SigLIP tower, two linears with GELU)
 and `gemma3` (Gemma 3: the SigLIP tower with v.post_ln, mm.soft_emb_norm stored as 1 + weight,
-mm.input_projection stored [vision width, text width]; engine/gguf/mmproj_gemma3.py).
+mm.input_projection stored [vision width, text width]; engine/gguf/mmproj_gemma3.py) and
+`qwen2.5vl_merger` (Qwen2.5-VL: engine/gguf/mmproj_qwen2_5_vl.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 from engine.gguf.families import Meta
 
-SUPPORTED_PROJECTORS = ("mlp", "gemma3")
+SUPPORTED_PROJECTORS = ("mlp", "gemma3", "qwen2.5vl_merger")
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",

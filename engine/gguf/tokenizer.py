@@ -27,6 +27,27 @@ def eos_token_ids(meta: Meta) -> list[int]:
     return ids
 
 
+def _vocabulary_copy(gguf_path: Path, arch: str, folder: Path) -> Path:
+    """The file's metadata without tensors, its architecture renamed to `arch` (a family
+    transformers reads the vocabulary of); the tokenizer is the same."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    old = str(reader.fields["general.architecture"].contents())
+    out = folder / "vocabulary.gguf"
+    writer = gguf.GGUFWriter(str(out), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        name = f"{arch}.{key[len(old) + 1 :]}" if key.startswith(f"{old}.") else key
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return out
+
+
 def generation_config(meta: Meta) -> dict[str, Any]:
     out = {k: v for k, v in token_ids(meta).items() if v is not None}
     eos = eos_token_ids(meta)
@@ -35,12 +56,22 @@ def generation_config(meta: Meta) -> dict[str, Any]:
     return out
 
 
+# architectures whose vocabulary transformers' GGUF reader takes under another family's name
+_TOKENIZER_ALIASES = {"qwen2vl": "qwen2"}
+
+
 def save_tokenizer(gguf_path: Path, out_dir: Path, meta: Meta) -> None:
+    import tempfile
+
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True
-    )
+    with tempfile.TemporaryDirectory() as tmp:
+        source = gguf_path
+        if meta.architecture in _TOKENIZER_ALIASES:
+            source = _vocabulary_copy(gguf_path, _TOKENIZER_ALIASES[meta.architecture], Path(tmp))
+        tokenizer = AutoTokenizer.from_pretrained(
+            source.parent, gguf_file=source.name, local_files_only=True
+        )
     if meta.get("tokenizer.ggml.pre") == "smollm":
         tokenizer.backend_tokenizer.pre_tokenizer = _smollm_pre_tokenizer()
     tokenizer.save_pretrained(out_dir)

@@ -10,7 +10,9 @@ checkpoint adds and llama.cpp's text converter keeps); a vocabulary without one 
 
 A `gemma3` mmproj beside a Gemma 3 text GGUF makes a Gemma3ForConditionalGeneration folder
 instead (engine/gguf/mmproj_gemma3.py): its image sequence's tokens from the vocabulary, the
-Gemma 3 image processor, and engine/models/gemma3_vl.py serves it as any Gemma 3 folder.
+Gemma 3 image processor, and engine/models/gemma3_vl.py serves it as any Gemma 3 folder; a
+`qwen2.5vl_merger` mmproj beside a `qwen2vl` text GGUF a Qwen2_5_VLForConditionalGeneration
+folder (engine/gguf/mmproj_qwen2_5_vl.py, served by engine/models/qwen2_5_vl.py).
 """
 
 from __future__ import annotations
@@ -67,15 +69,22 @@ def _write_folder(text_dir: Path, mmproj_path: Path, out: Path) -> None:
 
     mm = mm_lib.MmprojFile(mmproj_path)
     text_config = json.loads((text_dir / "config.json").read_text())
-    tensors = mm_lib.hf_tensors(mm)
-    if mm.projector_type == "gemma3":
+    if mm.projector_type == "qwen2.5vl_merger":
+        from engine.gguf import mmproj_qwen2_5_vl as qwen
+
+        ids = _token_ids(text_dir, mmproj_path, qwen.IMAGE_TOKENS)
+        config = qwen.qwen2_5_vl_config(mm, text_config, ids)
+        processor = qwen.image_processor(mm)
+        tensors = qwen.hf_tensors(mm)
+    elif mm.projector_type == "gemma3":
         from engine.gguf import mmproj_gemma3 as gemma3
 
         ids = _token_ids(text_dir, mmproj_path, gemma3.IMAGE_TOKENS)
         config = gemma3.gemma3_config(mm, text_config, ids)
         processor = gemma3.image_processor(mm)
-        tensors = gemma3.fix_tensors(tensors)
+        tensors = gemma3.fix_tensors(mm_lib.hf_tensors(mm))
     else:
+        tensors = mm_lib.hf_tensors(mm)
         (image_token_id,) = _token_ids(text_dir, mmproj_path, (IMAGE_TOKEN,))
         config = mm_lib.llava_config(mm, text_config, image_token_id)
         processor = mm_lib.image_processor(mm)
