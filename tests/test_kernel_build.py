@@ -55,7 +55,7 @@ def test_loading_names_each_stage_to_health(monkeypatch):
     from server import cli
 
     stages: list[str] = []
-    monkeypatch.setattr(loader, "resolve_model", lambda model: stages.append("resolved"))
+    monkeypatch.setattr(loader, "resolve_model", lambda *model: stages.append("resolved"))
     monkeypatch.setattr(cpu_ops, "is_built", lambda build_dir=None: False)
     monkeypatch.setattr(cpu_ops, "load_cpu_ops", lambda: stages.append("loaded"))
     monkeypatch.setattr(cpu_ops, "cpu_kernels_enabled", lambda: True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.layers.base import KernelLayer
 from engine.layers.rotary import CpuRope, NativeRope, RotaryEmbedding
 
 
@@ -61,3 +62,37 @@ class MRotaryEmbedding(RotaryEmbedding):
         freqs = self.mrope_freqs(positions)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+class VisionRotary(KernelLayer):
+    """Axial 2-D RoPE: the first half of the rotated dims by row, the second by column.
+
+    Returns the rope of one tower call: rotate(q, k) in float32 as transformers computes it (the
+    CPU rotary kernel over a per-patch cos|sin table when the tower runs in float32; the torch
+    ops otherwise, so bf16 still rotates in float32 and rounds once)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float) / (head_dim // 2)
+        self.inv_freq = 1.0 / theta**quarter  # float32 whatever the model's dtype: no buffer
+
+    def freqs(self, rows_cols: torch.Tensor) -> torch.Tensor:  # [N, D/2] float32
+        inv_freq = self.inv_freq.to(rows_cols.device)
+        return (rows_cols[..., None].float() * inv_freq).flatten(1)  # rows' then columns'
+
+    def forward_native(self, rows_cols: torch.Tensor, dtype: torch.dtype):
+        emb = torch.cat((self.freqs(rows_cols),) * 2, dim=-1)[:, None, :]  # [N, 1, D]
+        return VisionNativeRope(emb.cos(), emb.sin())
+
+    def forward_cpu(self, rows_cols: torch.Tensor, dtype: torch.dtype):
+        if dtype != torch.float32:
+            return self.forward_native(rows_cols, dtype)
+        freqs = self.freqs(rows_cols)
+        table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        return CpuRope(self.ops, torch.arange(freqs.shape[0], device=freqs.device), table)
+
+
+class VisionNativeRope(NativeRope):
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q2, k2 = super().rotate(q.float(), k.float())
+        return q2.to(q.dtype), k2.to(k.dtype)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.vision_tower import encoder_backend
-from pagedserve_kernels.backend import AttentionBackend
+from pagedserve_kernels import AttentionBackend
 
 
 class BertEmbeddings(nn.Module):

@@ -109,10 +109,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     def pixels_of(processed) -> torch.Tensor:
         """One image's [3, H, W]; pan-and-scan crops (more than one per image) are refused."""
         pixels = processed["pixel_values"]
-        if pixels.shape[0] != 1:
-            from engine.multimodal.processor import ImageError
-
-            raise ImageError("image: do_pan_and_scan crops are not supported", "image")
+        if pixels.shape[0] != 1:  # engine/multimodal/processor.py names the part
+            raise ValueError("do_pan_and_scan crops are not supported")
         return pixels[0]
 
     @classmethod

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import Linear
-from pagedserve_kernels.backend import AttentionBackend
+from pagedserve_kernels import AttentionBackend
 
 _SDPA = AttentionBackend()  # the seam's default encoder_attention: torch SDPA
 

@@ -88,7 +88,10 @@ class ImageInputProcessor:
         except Exception as e:  # noqa: BLE001 - the processor rejects odd images its own way
             raise ImageError(f"{param}: the image processor refused it ({e})", param) from None
         pixels_of = getattr(self.model_cls, "pixels_of", None)
-        return out["pixel_values"][0] if pixels_of is None else pixels_of(out)
+        try:
+            return out["pixel_values"][0] if pixels_of is None else pixels_of(out)
+        except ValueError as e:  # the model refuses what it cannot take (e.g. Gemma 3's crops)
+            raise ImageError(f"{param}: {e}", param) from None
 
     def expand(self, prompt_ids: list[int], pixels: list, param: str = "messages"):
         """(prompt ids with each placeholder repeated, one ImageInput per image)."""
