@@ -19,7 +19,7 @@ from torch import nn
 from engine.layers import RMSNorm
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gemma3_vl_attention import ImageAwareAttention, StepImages
-from engine.models.llava import _RENAMES, LlavaMixin
+from engine.models.llava import _RENAMES, LlavaMixin, rename_prefix
 from engine.models.vision_tower import VisionTower, activation
 from pagedserve_kernels import AttentionMetadata
 
@@ -156,14 +156,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     checkpoint_name = staticmethod(LlavaMixin.checkpoint_name)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-        renamed = {}
-        for name, tensor in state.items():
-            for old, new in _RENAMES:
-                if name.startswith(old):
-                    name = new + name[len(old) :]
-                    break
-            if not name.startswith(_UNUSED):
-                renamed[name] = tensor
+        renamed = {rename_prefix(name, _RENAMES): tensor for name, tensor in state.items()}
+        renamed = {n: t for n, t in renamed.items() if not n.startswith(_UNUSED)}
         if "lm_head.weight" not in renamed and "model.embed_tokens.weight" in renamed:
             renamed["lm_head.weight"] = renamed["model.embed_tokens.weight"]  # tied
         return super().load_weights(renamed)

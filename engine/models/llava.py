@@ -61,6 +61,14 @@ def image_token_id_of(cfg) -> int:
     return value if value is not None else cfg.image_token_index
 
 
+def rename_prefix(name: str, renames) -> str:
+    """`name` with its first matching checkpoint prefix replaced by ours (renames: (old, new))."""
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
 class LlavaMixin:
     """The image side of a LLaVA model; the text side is the class it is mixed into."""
 
@@ -110,21 +118,11 @@ class LlavaMixin:
     @staticmethod
     def checkpoint_name(name: str) -> str:
         """Our name of checkpoint tensor `name` (the loader's TP sharding looks the layer up)."""
-        for old, new in _RENAMES:
-            if name.startswith(old):
-                return new + name[len(old) :]
-        return name
+        return rename_prefix(name, _RENAMES)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-        renamed = {}
-        for name, tensor in state.items():
-            for old, new in _RENAMES:
-                if name.startswith(old):
-                    name = new + name[len(old) :]
-                    break
-            if not name.startswith(_UNUSED):
-                renamed[name] = tensor
-        return super().load_weights(renamed)
+        renamed = {rename_prefix(name, _RENAMES): tensor for name, tensor in state.items()}
+        return super().load_weights({n: t for n, t in renamed.items() if not n.startswith(_UNUSED)})
 
 
 @functools.cache

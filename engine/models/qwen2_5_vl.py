@@ -17,6 +17,7 @@ import torch
 from engine.layers.mrope import MRotaryEmbedding
 from engine.layers.rotary_scaling import rope_parameters, rope_theta, rope_type
 from engine.models.llama import head_dim_of
+from engine.models.llava import rename_prefix
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen2_5_vl_vision import Qwen2_5_VisionTower
 
@@ -86,18 +87,12 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     @staticmethod
     def checkpoint_name(name: str) -> str:
         """Our name of checkpoint tensor `name` (the loader's TP sharding looks the layer up)."""
-        for old, new in _RENAMES:
-            if name.startswith(old):
-                return new + name[len(old) :]
-        return name
+        return rename_prefix(name, _RENAMES)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
         renamed = {}
         for name, tensor in state.items():
-            for old, new in _RENAMES:
-                if name.startswith(old):
-                    name = new + name[len(old) :]
-                    break
+            name = rename_prefix(name, _RENAMES)
             if name == _PATCH_CONV:  # Conv3d [D, C, T, P, P] -> Linear [D, C*T*P*P]
                 name, tensor = "visual.patch_embed.linear.weight", tensor.flatten(1)
             renamed[name] = tensor
